@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own `llama-server` from the llama.cpp source vendored in the
+# llama-cpp-python sdist of the exact version ferrum pins in pyproject.toml, so the
+# benchmark compares ferrum against the same llama.cpp revision it links.
+#
+# Everything lands in a cache folder outside the repo:
+#   ${FERRUM_BENCH_CACHE:-$HOME/.cache/ferrum-bench}/
+#     sdist/llama_cpp_python-VERSION.tar.gz   downloaded sdist
+#     src/llama_cpp_python-VERSION/            unpacked sdist
+#     build-VERSION/bin/llama-server           the binary (path printed on the last line)
+#
+# Idempotent: each step is skipped when its output already exists; `make`-style
+# incremental rebuilds handle the rest. CPU-only Release build, no network at build
+# time (no UI download, no HTTPS).
+#
+# Usage: bench/build_llama_server.sh            (env: FERRUM_BENCH_CACHE, JOBS, PYTHON)
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache="${FERRUM_BENCH_CACHE:-$HOME/.cache/ferrum-bench}"
+jobs="${JOBS:-$(nproc)}"
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$repo_root/.venv/bin/python" ]]; then PYTHON="$repo_root/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+version="$(grep -oE 'llama-cpp-python==[0-9][0-9A-Za-z.]*' "$repo_root/pyproject.toml" | head -n1 | cut -d= -f3)"
+if [[ -z "$version" ]]; then
+    echo "error: no 'llama-cpp-python==X' pin found in $repo_root/pyproject.toml" >&2
+    exit 1
+fi
+
+sdist_dir="$cache/sdist"
+src_root="$cache/src"
+src_dir="$src_root/llama_cpp_python-$version"
+llama_dir="$src_dir/vendor/llama.cpp"
+build_dir="$cache/build-$version"
+binary="$build_dir/bin/llama-server"
+
+log() { echo "[build_llama_server] $*" >&2; }
+
+sdist_path() {
+    # Older sdists are named llama-cpp-python-X.tar.gz, newer (PEP 625) llama_cpp_python-X.
+    compgen -G "$sdist_dir/llama[-_]cpp[-_]python-$version.tar.gz" | head -n1 || true
+}
+
+download_sdist() {
+    if [[ -n "$(sdist_path)" ]]; then
+        log "sdist already downloaded: $(sdist_path)"
+        return
+    fi
+    mkdir -p "$sdist_dir"
+    log "downloading llama-cpp-python==$version sdist"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: --dest "$sdist_dir" \
+        "llama-cpp-python==$version" >&2
+}
+
+unpack_sdist() {
+    if [[ -f "$llama_dir/CMakeLists.txt" ]]; then
+        log "sdist already unpacked: $src_dir"
+        return
+    fi
+    mkdir -p "$src_root"
+    log "unpacking into $src_root"
+    tar -xzf "$(sdist_path)" -C "$src_root"
+    # The top folder's spelling follows the archive name; normalise it.
+    if [[ ! -d "$src_dir" && -d "$src_root/llama-cpp-python-$version" ]]; then
+        mv "$src_root/llama-cpp-python-$version" "$src_dir"
+    fi
+}
+
+configure() {
+    if [[ -f "$build_dir/CMakeCache.txt" ]]; then
+        log "already configured: $build_dir"
+        return
+    fi
+    local generator=()
+    if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+    log "configuring (Release, CPU only, offline)"
+    # LLAMA_CURL is deprecated/ignored in this llama.cpp; the network-touching knobs
+    # are the prebuilt web-UI download and OpenSSL, both switched off here.
+    cmake -S "$llama_dir" -B "$build_dir" "${generator[@]}" \
+        -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON \
+        -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_BORINGSSL=OFF \
+        -DLLAMA_BUILD_LIBRESSL=OFF >&2
+}
+
+build() {
+    if [[ -x "$binary" ]]; then
+        log "binary present; running an incremental build check"
+    else
+        log "building llama-server with $jobs jobs"
+    fi
+    local start=$SECONDS
+    cmake --build "$build_dir" --config Release --target llama-server -j "$jobs" >&2
+    log "build step took $((SECONDS - start)) s"
+}
+
+download_sdist
+unpack_sdist
+configure
+build
+"$binary" --version >&2 2>&1 || true
+echo "$binary"

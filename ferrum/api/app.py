@@ -1,0 +1,233 @@
+"""The HTTP API: OpenAI-compatible routes over the AsyncEngine.
+
+Every route also answers without its `/v1` prefix. Every error, including FastAPI's own
+validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ferrum.api.chat_template import ChatFormatter
+from ferrum.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from ferrum.api.responses import CompletionKind, collect, stream_sse
+from ferrum.engine.async_engine import AsyncEngine
+from ferrum.errors import AuthenticationError, FerrumError, InvalidRequest, NotFound
+from ferrum.metrics import CONTENT_TYPE, Metrics
+
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    runner: Any  # tokenizer access: tokenize / token_bytes / info
+    formatter: ChatFormatter
+    metrics: Metrics
+    alias: str
+    api_keys: tuple[str, ...] = ()
+    split_think: bool = True
+    default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
+    created: int = 0
+
+
+def _error_response(exc: FerrumError) -> JSONResponse:
+    return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+
+def _validation_error(exc: RequestValidationError) -> InvalidRequest:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return InvalidRequest("the request body is not valid JSON")
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FerrumError)
+    async def _ferrum(_: Request, exc: FerrumError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(NotFound("no such route"))
+        err = InvalidRequest(str(exc.detail))
+        err.status = exc.status_code
+        return _error_response(err)
+
+
+def _check_api_key(state: ServerState, request: Request) -> None:
+    if not state.api_keys or request.url.path in _PUBLIC_PATHS:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    # compare_digest against every key: the time taken does not say which key came close.
+    ok = scheme.lower() == "bearer" and any(
+        hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.api_keys
+    )
+    if not ok:
+        raise AuthenticationError("invalid or missing API key")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        await state.engine.stop()
+
+    app = FastAPI(title="ferrum", lifespan=lifespan)
+    app.state.ferrum = state
+    state.created = int(time.time())
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        try:
+            _check_api_key(state, request)
+        except FerrumError as exc:
+            return _error_response(exc)
+        return await call_next(request)
+
+    _add_routes(app, state)
+    return app
+
+
+def _route(app: FastAPI, method: str, path: str) -> Any:
+    """Registers a handler under `path` and, for /v1 routes, also without the prefix."""
+
+    def register(fn: Any) -> Any:
+        app.add_api_route(path, fn, methods=[method])
+        if path.startswith("/v1/"):
+            app.add_api_route(path[3:], fn, methods=[method], include_in_schema=False)
+        return fn
+
+    return register
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @_route(app, "POST", "/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        body.reject_unsupported()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = state.formatter.tokenize(messages, state.runner.tokenize)
+        return await _complete(state, body, prompt, CompletionKind(chat=True))
+
+    @_route(app, "POST", "/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        body.reject_unsupported()
+        prompt_in = body.prompt_input()
+        if isinstance(prompt_in, str):
+            prompt = state.runner.tokenize(prompt_in, True, True)
+        else:
+            prompt = _check_token_ids(state, prompt_in, "prompt")
+        return await _complete(state, body, prompt, CompletionKind(chat=False))
+
+    @_route(app, "GET", "/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @_route(app, "GET", "/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.alias:
+            raise NotFound(f"model {model_id!r} is not served here (try {state.alias!r})")
+        return _model_card(state)
+
+    @_route(app, "GET", "/health")
+    async def health() -> JSONResponse:
+        ok = state.engine.alive
+        body = {"status": "ok" if ok else "error", "model": state.alias, **state.metrics.snapshot()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @_route(app, "GET", "/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @_route(app, "POST", "/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return {"tokens": state.runner.tokenize(body.content, body.add_special, body.parse_special)}
+
+    @_route(app, "POST", "/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        tokens = _check_token_ids(state, body.tokens, "tokens")
+        data = b"".join(state.runner.token_bytes(t) for t in tokens)
+        return {"content": data.decode("utf-8", "replace")}
+
+
+def _check_token_ids(state: ServerState, tokens: list[int], param: str) -> list[int]:
+    n_vocab = state.runner.info.n_vocab
+    if any(not 0 <= t < n_vocab for t in tokens):
+        raise InvalidRequest(f"token ids must be in [0, {n_vocab})", param=param)
+    return list(tokens)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    info = state.runner.info
+    return {
+        "id": state.alias,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "ferrum",
+        "meta": {
+            "architecture": info.architecture,
+            "description": info.description,
+            "n_ctx": info.n_ctx,
+            "n_ctx_train": info.n_ctx_train,
+            "n_vocab": info.n_vocab,
+        },
+    }
+
+
+async def _complete(
+    state: ServerState,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    kind: CompletionKind,
+) -> Any:
+    engine = state.engine
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is None and state.default_max_tokens > 0:
+        max_tokens = state.default_max_tokens
+    params = body.sampling_params(engine.engine.clamp_max_tokens(len(prompt), max_tokens))
+    request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
+    split_think = state.split_think and kind.chat
+    stream = engine.submit(request_id, prompt, params, split_think)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in stream_sse(stream, kind, request_id, state.alias, include_usage):
+                    yield event
+            finally:  # client gone or stream done: abort is a no-op for finished requests
+                engine.abort(request_id)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    try:
+        return await collect(stream, kind, request_id, state.alias)
+    finally:
+        engine.abort(request_id)

@@ -1,0 +1,160 @@
+"""OpenAI request bodies as pydantic models, and their translation into engine parameters.
+
+Unknown fields are tolerated (clients send many); fields we cannot honour yet are rejected
+with a 400 naming them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ferrum.engine.request import SamplingParams
+from ferrum.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str = ""
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Temperature = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    logprobs: Any = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+        return v
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def reject_unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest("n > 1 is not supported yet", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop_strings(),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_logprobs: Any = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer name; it wins when both are given.
+        return self.max_completion_tokens or self.max_tokens
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        if self.top_logprobs not in (None, 0):
+            raise InvalidRequest("top_logprobs is not supported yet", param="top_logprobs")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise InvalidRequest(
+                f"response_format {fmt!r} is not supported yet", param="response_format"
+            )
+        if self.tools:
+            raise InvalidRequest("tools are not supported yet", param="tools")
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]  # type: ignore[return-value]
+        return self.prompt  # type: ignore[return-value]
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of is not supported", param="best_of")
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[Annotated[int, Field(ge=0)]]

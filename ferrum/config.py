@@ -1,0 +1,110 @@
+"""Configuration: frozen dataclasses, every field defaulted and documented.
+
+The CLI (`ferrum.cli`) derives its flags from the `metadata` of these fields, and each flag can
+also be set through an environment variable `FERRUM_<FIELD NAME IN CAPITALS>`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def physical_cores() -> int:
+    """Physical cores this process may use; llama.cpp runs slower on hyper-threads."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            cores = set()
+            physical_id = core_id = ""
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "physical id":
+                    physical_id = value
+                elif key == "core id":
+                    core_id = value
+                    cores.add((physical_id, core_id))
+        if cores:
+            return min(len(cores), len(os.sched_getaffinity(0)))
+    except OSError:
+        pass
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _flag(*names: str, help: str, **kw: object) -> dict[str, object]:
+    return {"flags": names, "help": help, **kw}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs: model, memory and parallelism."""
+
+    model: str = field(
+        default="",
+        metadata=_flag("--model", "-m", help="GGUF model path (default: Gemma 3 270M Q4_K_M)"),
+    )
+    ctx_size: int = field(
+        default=8192,
+        metadata=_flag("--ctx-size", "-c", help="total KV cells shared by all sequences"),
+    )
+    parallel: int = field(
+        default=8,
+        metadata=_flag("--parallel", "-np", help="most sequences decoding at once"),
+    )
+    threads: int = field(
+        default=0,
+        metadata=_flag("--threads", "-t", help="CPU threads (default: physical cores)"),
+    )
+    batch_size: int = field(
+        default=512,
+        metadata=_flag("--batch-size", "-b", help="most tokens in one llama_decode (n_batch)"),
+    )
+    n_predict: int = field(
+        default=-1,
+        metadata=_flag(
+            "--n-predict", help="max_tokens when a request gives none (-1: until the context ends)"
+        ),
+    )
+    block_size: int = field(
+        default=16, metadata=_flag("--block-size", help="tokens per KV block (accounting unit)")
+    )
+    gpu_layers: int = field(
+        default=0,
+        metadata=_flag("--gpu-layers", "-ngl", help="layers offloaded to the GPU (CUDA builds)"),
+    )
+
+    def resolved_threads(self) -> int:
+        return self.threads if self.threads > 0 else physical_cores()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP side needs."""
+
+    host: str = field(default="127.0.0.1", metadata=_flag("--host", help="address to bind"))
+    port: int = field(default=8080, metadata=_flag("--port", help="port to bind"))
+    alias: str = field(
+        default="", metadata=_flag("--alias", help="model id in responses (default: file stem)")
+    )
+    chat_template: str = field(
+        default="",
+        metadata=_flag(
+            "--chat-template",
+            help="built-in template name (gemma, chatml, llama3) or a Jinja file; "
+            "default: the model's own, else its family's",
+        ),
+    )
+    api_key: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag("--api-key", help="required Bearer key (repeat or comma-separate)"),
+    )
+    reasoning_inline: bool = field(
+        default=False,
+        metadata=_flag(
+            "--reasoning-inline",
+            help="keep <think>…</think> in content instead of reasoning_content",
+        ),
+    )
+    log_level: str = field(
+        default="info", metadata=_flag("--log-level", help="debug, info, warning or error")
+    )

@@ -1,0 +1,173 @@
+"""AsyncEngine: runs `LLMEngine` on its own thread and serves it to asyncio code.
+
+The engine thread is the single owner of the engine (and so of llama.cpp and the KV ledger).
+asyncio code only sends commands (add, abort) through a thread-safe queue and reads one
+`RequestStream` per request. Outputs cross back once per engine step, in one
+`call_soon_threadsafe`, so the event loop is woken once per step rather than once per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.request import SamplingParams
+from ferrum.errors import ServiceUnavailable
+
+log = logging.getLogger("ferrum.engine")
+
+_IDLE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    split_think: bool
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, in order; iteration ends after the finished output."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:
+        self._queue.put_nowait(out)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            out = await self._queue.get()
+            # Coalesce deltas that piled up while the consumer was busy.
+            while not out.finished and not self._queue.empty():
+                out = _merge(out, self._queue.get_nowait())
+            self.finished = out.finished
+            yield out
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    b.content = a.content + b.content
+    b.reasoning = a.reasoning + b.reasoning
+    b.token_ids = a.token_ids + b.token_ids
+    return b
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="ferrum-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        split_think: bool,
+    ) -> RequestStream:
+        if not self.alive or self._stopping:
+            raise ServiceUnavailable("the engine is not running")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent; a request already finished is left alone."""
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(_Abort(request_id))
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            outputs = self._drain_commands(block=not engine.has_work)
+            if engine.has_work:
+                try:
+                    outputs.extend(engine.step())
+                except Exception:  # never let one bad step kill the server
+                    log.exception("engine step failed; failing the requests in flight")
+                    outputs.extend(engine.fail_all("internal engine error"))
+            elif outputs:
+                engine.publish_stats()
+            if not engine.has_work:
+                engine.check_integrity()
+            if outputs:
+                self._post(outputs)
+        self._post(engine.fail_all("server shutting down"))
+
+    def _drain_commands(self, block: bool) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+            while True:
+                if isinstance(cmd, _Add):
+                    outputs.extend(self._add(cmd))
+                elif isinstance(cmd, _Abort):
+                    out = self.engine.abort(cmd.request_id)
+                    if out is not None:
+                        outputs.append(out)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        return outputs
+
+    def _add(self, cmd: _Add) -> list[RequestOutput]:
+        try:
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think
+            )
+        except Exception as exc:  # the request fails, the engine goes on
+            log.exception("could not add request %s", cmd.request_id)
+            return [
+                RequestOutput(cmd.request_id, finished=True, finish_reason="error", error=str(exc))
+            ]
+        return []
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]

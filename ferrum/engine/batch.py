@@ -1,0 +1,47 @@
+"""Contracts between the engine and a runner (llama.cpp or the tests' fake).
+
+Plain data, no llama.cpp: the engine depends on this file, never on the runner module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """Tokens of one sequence for one step; `sampler` set when the last token is sampled."""
+
+    seq_id: int
+    tokens: Sequence[int]
+    start_pos: int
+    sampler: Any = None  # the runner's sampler object
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, int] = field(default_factory=dict)  # item index → token
+    failed: dict[int, str] = field(default_factory=dict)  # item index → reason
+    decode_calls: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    architecture: str
+    description: str
+    n_ctx: int
+    n_ctx_train: int
+    n_batch: int
+    n_seq_max: int
+    n_vocab: int
+    n_swa: int
+    threads: int
+    is_recurrent: bool
+    is_hybrid: bool
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+    add_bos: bool

@@ -1,0 +1,209 @@
+"""The engine core: one `step()` turns a scheduled batch into per-request output deltas.
+
+It owns the scheduler (and through it the KV ledger), the runner and each request's text
+pipeline. It is single-threaded by design: `AsyncEngine` runs it on one thread and is the only
+caller. The runner is anything with the `LlamaRunner` methods used here (tests pass a fake).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ferrum.engine.batch import BatchItem
+from ferrum.engine.kv import BlockManager, IntegrityError
+from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
+from ferrum.engine.request import FinishReason, Request, SamplingParams
+from ferrum.engine.scheduler import Scheduler, SchedulerOutput
+from ferrum.engine.text import TextPipeline
+from ferrum.errors import ContextLengthExceeded, InvalidRequest
+
+log = logging.getLogger("ferrum.engine")
+
+
+@dataclass
+class _Live:
+    """Engine-side state of one request that the scheduler does not need."""
+
+    request: Request
+    text: TextPipeline
+    pending: RequestOutput
+
+
+class LLMEngine:
+    def __init__(self, runner: Any, block_size: int = 16, observer: EngineObserver | None = None):
+        info = runner.info
+        self.runner = runner
+        self.info = info
+        blocks = BlockManager(info.n_ctx // block_size, block_size)
+        # Largest number of positions a single request may occupy (prompt + output).
+        self.max_positions = blocks.num_blocks * block_size
+        self.scheduler = Scheduler(blocks, max_running=info.n_seq_max, token_budget=info.n_batch)
+        self.observer = observer or EngineObserver()
+        self._live: dict[str, _Live] = {}
+        self._finished_stats: list[FinishedRequest] = []
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def clamp_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The one rule for lengths: a prompt must leave room for one token; max_tokens is
+        clamped to the room left in the context. Pure: safe to call from any thread."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        room = self.max_positions - num_prompt_tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {num_prompt_tokens} tokens; this server's context holds "
+                f"{self.max_positions} (prompt plus at least one generated token)",
+                param="messages",
+            )
+        return room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        split_think: bool = True,
+    ) -> None:
+        if request_id in self._live:
+            raise InvalidRequest(f"duplicate request id {request_id}")
+        request = Request(request_id, list(prompt_token_ids), params)
+        request.sampler = self.runner.new_sampler(params)
+        text = TextPipeline(self.runner.token_bytes, params.stop, split_think)
+        pending = RequestOutput(request_id, prompt_tokens=request.num_prompt_tokens)
+        self._live[request_id] = _Live(request, text, pending)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        self._finish(live, FinishReason.ABORT)
+        return self._take(live)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Ends every request with an error (after an unexpected engine fault)."""
+        outs = []
+        for live in list(self._live.values()):
+            self._finish(live, FinishReason.ERROR, error=reason)
+            outs.append(self._take(live))
+        return outs
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        for seq in sched.released_seq_ids:
+            self.runner.clear_sequence(seq)
+        stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
+        stats.preemptions = len(sched.preempted)
+        touched: list[_Live] = []
+        if sched.chunks:
+            self._execute(sched, stats, touched)
+        outputs = [self._take(live) for live in touched]
+        stats.step_s = time.monotonic() - t0
+        self.publish_stats(stats)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput, stats: StepStats, touched: list[_Live]) -> None:
+        items = []
+        for c in sched.chunks:
+            req = c.request
+            tokens = req.all_token_ids[c.start : c.start + c.length]
+            items.append(BatchItem(req.seq_id, tokens, c.start, req.sampler if c.samples else None))  # type: ignore[arg-type]
+        result = self.runner.execute(items)
+        now = time.monotonic()
+        for i, c in enumerate(sched.chunks):
+            req = c.request
+            live = self._live[req.request_id]
+            if i in result.failed:
+                stats.decode_failures += 1
+                self._finish(live, FinishReason.ERROR, error=f"decode failed: {result.failed[i]}")
+                touched.append(live)
+                continue
+            req.num_computed_tokens = c.start + c.length
+            if c.start < req.num_prompt_tokens:
+                stats.prompt_tokens_computed += min(c.length, req.num_prompt_tokens - c.start)
+            if i in result.sampled:
+                self._on_token(live, result.sampled[i], now, stats)
+                touched.append(live)
+
+    def _on_token(self, live: _Live, token: int, now: float, stats: StepStats) -> None:
+        req = live.request
+        req.append_output(token)
+        stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.ttfts.append(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            stats.inter_token_latencies.append(now - req.last_token_time)
+        req.last_token_time = now
+        out = live.pending
+        out.token_ids.append(token)
+        if not req.params.ignore_eos and self.runner.is_eog(token):
+            self._finish(live, FinishReason.STOP)
+            return
+        delta = live.text.feed_token(token)
+        out.content += delta.content
+        out.reasoning += delta.reasoning
+        if delta.stopped:
+            self._finish(live, FinishReason.STOP)
+        elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_positions:
+            self._finish(live, FinishReason.LENGTH)
+
+    def _finish(self, live: _Live, reason: FinishReason, error: str | None = None) -> None:
+        req = live.request
+        self.scheduler.finish(req, reason)
+        if req.sampler is not None:
+            req.sampler.close()
+            req.sampler = None
+        tail = live.text.finish()
+        out = live.pending
+        out.content += tail.content
+        out.reasoning += tail.reasoning
+        out.finished = True
+        out.finish_reason = reason.value
+        out.error = error
+        del self._live[req.request_id]
+        self._finished_stats.append(
+            FinishedRequest(
+                finish_reason=reason.value,
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=req.num_output_tokens,
+                latency_s=time.monotonic() - req.arrival_time,
+                ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            )
+        )
+
+    def _take(self, live: _Live) -> RequestOutput:
+        """Hands out the accumulated delta and starts a fresh one."""
+        out = live.pending
+        out.completion_tokens = live.request.num_output_tokens
+        live.pending = RequestOutput(out.request_id, prompt_tokens=out.prompt_tokens)
+        return out
+
+    def publish_stats(self, stats: StepStats | None = None) -> None:
+        """Sends gauges and the requests finished since the last call to the observer."""
+        stats = stats or StepStats()
+        sched = self.scheduler
+        stats.kv_usage = sched.blocks.usage
+        stats.queue_depth = len(sched.waiting)
+        stats.active_requests = len(sched.running)
+        stats.finished, self._finished_stats = self._finished_stats, []
+        self.observer.on_step(stats)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        held = {r.request_id for r in self.scheduler.running} | {
+            r.request_id for r in self.scheduler.waiting
+        }
+        if held != set(self._live):
+            raise IntegrityError(f"scheduler holds {held}, engine tracks {set(self._live)}")

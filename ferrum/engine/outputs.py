@@ -1,0 +1,58 @@
+"""What the engine reports: per-request output deltas and per-step statistics.
+
+Plain dataclasses, so the API and metrics layers depend on this file and not on the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request. `finished` outputs are always the last."""
+
+    request_id: str
+    content: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    ttft_s: float | None
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_tokens: int = 0
+    num_sequences: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    decode_failures: int = 0
+    step_s: float = 0.0
+    kv_usage: float = 0.0
+    queue_depth: int = 0
+    active_requests: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class EngineObserver:
+    """Receives statistics on the engine thread; the default does nothing."""
+
+    def on_step(self, stats: StepStats) -> None:  # pragma: no cover - interface
+        pass

@@ -1,0 +1,101 @@
+"""A request as the engine sees it: token ids, sampling parameters and one progress counter.
+
+Progress is a single counter, `num_computed_tokens`, against `num_tokens` (prompt + output).
+There are no separate prefill/decode phases: a request with many uncomputed tokens is
+prefilling, one with exactly one (the last sampled token) is decoding.
+
+    all_token_ids:  [ p0 p1 p2 ... p(P-1) | o0 o1 ... o(k-1) ]
+                      prompt (P tokens)     output (k tokens)
+    KV resident:    [ 0 ........ num_computed_tokens )
+    next chunk:     [ num_computed_tokens ... num_tokens )   ← scheduled under the step budget
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferrum.engine.kv import PageTable
+
+
+class FinishReason(enum.StrEnum):
+    """Maps one to one onto OpenAI `finish_reason` (abort and error never reach a client)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings; validated by the API before they get here."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    seq_id: int | None = None
+    page_table: PageTable = field(default_factory=PageTable)
+    # Owned by the runner (a llama.cpp sampler chain); the engine closes it on finish.
+    sampler: Any = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

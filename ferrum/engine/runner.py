@@ -1,0 +1,274 @@
+"""The llama.cpp runner: the only module that imports `llama_cpp`.
+
+It owns the model, the context, one reusable `llama_batch` and the per-request sampler chains,
+and frees every C handle through `close()` (idempotent). It knows nothing of requests or
+blocks: the engine hands it (sequence id, tokens, first position, sampler) items per step.
+
+    one step's llama_batch (n_tokens ≤ n_batch):
+      index:   0    1    2    3    4    5    6   ...
+      token:   a5 | b9 | c0   c1   c2   c3 | d7  ...
+      seq:     0  | 1  | 2    2    2    2  | 3
+      pos:     40 | 12 | 0    1    2    3  | 88
+      logits:  1  | 1  | 0    0    0    1  | 1      ← only where a token is sampled
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Sequence
+
+import llama_cpp as ll
+
+from ferrum.config import EngineConfig
+from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
+from ferrum.engine.request import SamplingParams
+from ferrum.errors import ModelLoadError
+
+log = logging.getLogger("ferrum.llama")
+
+# llama_decode's "no KV slot for this batch" return code; anything else non-zero is an error.
+_DECODE_NO_SLOT = 1
+_PENALTY_LAST_N = 64
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request; keeps penalty and RNG state across steps."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        chain_params = ll.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        self._chain = ll.llama_sampler_chain_init(chain_params)
+        add = ll.llama_sampler_chain_add
+        if (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        ):
+            add(
+                self._chain,
+                ll.llama_sampler_init_penalties(
+                    n_vocab,
+                    _PENALTY_LAST_N,
+                    params.repetition_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                ),
+            )
+        if params.greedy:
+            add(self._chain, ll.llama_sampler_init_greedy())
+            return
+        if params.top_k > 0:
+            add(self._chain, ll.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(self._chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(self._chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+        add(self._chain, ll.llama_sampler_init_temp(params.temperature))
+        seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+        add(self._chain, ll.llama_sampler_init_dist(seed))
+
+    def sample(self, ctx: ll.llama_context_p, index: int) -> int:
+        return ll.llama_sampler_sample(self._chain, ctx, index)
+
+    def close(self) -> None:
+        if self._chain is not None:
+            ll.llama_sampler_free(self._chain)  # frees every sampler added to the chain
+            self._chain = None
+
+
+def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at load time; keep only its warnings and errors at our INFO level.
+    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+        msg = text.decode("utf-8", "replace").rstrip()
+        if msg:
+            log.warning("%s", msg)
+
+
+_LOG_CALLBACK = ll.llama_log_callback(_forward_llama_log)
+
+
+class LlamaRunner:
+    def __init__(self, config: EngineConfig, model_path: str):
+        if not os.path.isfile(model_path):
+            raise ModelLoadError(f"model file not found: {model_path}")
+        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        self._model = self._ctx = self._batch = None
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = config.gpu_layers
+        self._model = ll.llama_model_load_from_file(model_path.encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {model_path} (corrupt or unsupported)")
+        try:
+            self._init_context(config)
+        except Exception:
+            self.close()
+            raise
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self._piece_cache: dict[int, bytes] = {}
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.info = self._describe(model_path, config.resolved_threads())
+
+    def _init_context(self, config: EngineConfig) -> None:
+        threads = config.resolved_threads()
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = config.ctx_size
+        cparams.n_batch = config.batch_size
+        # n_ubatch == n_batch: one llama_decode is one micro-batch, so a failed decode has
+        # committed nothing to the KV cache and the step can be retried or split safely.
+        cparams.n_ubatch = config.batch_size
+        cparams.n_seq_max = config.parallel
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        # One cell pool for all sequences: any request may use the whole context, and cells can
+        # be shared between sequences without copying.
+        cparams.kv_unified = True
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
+        self._n_batch = ll.llama_n_batch(self._ctx)
+        self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
+
+    def _meta(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(512)
+        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return ll.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    def _describe(self, path: str, threads: int) -> ModelInfo:
+        desc = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self._model, desc, len(desc))
+        template = ll.llama_model_chat_template(self._model, None)
+        return ModelInfo(
+            path=path,
+            architecture=self._meta("general.architecture") or "unknown",
+            description=desc.value.decode("utf-8", "replace"),
+            n_ctx=ll.llama_n_ctx(self._ctx),
+            n_ctx_train=ll.llama_model_n_ctx_train(self._model),
+            n_batch=self._n_batch,
+            n_seq_max=ll.llama_n_seq_max(self._ctx),
+            n_vocab=self._n_vocab,
+            n_swa=ll.llama_model_n_swa(self._model),
+            threads=threads,
+            is_recurrent=bool(ll.llama_model_is_recurrent(self._model)),
+            is_hybrid=bool(ll.llama_model_is_hybrid(self._model)),
+            chat_template=template.decode("utf-8", "replace") if template else None,
+            bos_text=self._token_text(ll.llama_vocab_bos(self._vocab)),
+            eos_text=self._token_text(ll.llama_vocab_eos(self._vocab)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
+        )
+
+    # -- text -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(
+                self._vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+            if n >= 0:
+                return buf[:n]
+            cap = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's bytes as output text: control tokens render as nothing."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            if not 0 <= token < self._n_vocab:
+                return b""
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, self._n_vocab)
+
+    def clear_sequence(self, seq_id: int) -> None:
+        # Removing a whole sequence never fails, for KV and recurrent memory alike.
+        ll.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
+
+    def execute(self, items: Sequence[BatchItem]) -> StepResult:
+        """Decodes all items in one llama_decode and samples where asked."""
+        result = StepResult()
+        self._decode_split(list(range(len(items))), items, result)
+        return result
+
+    def _decode_split(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> None:
+        rc = self._decode(idx, items, result)
+        if rc == 0:
+            return
+        if rc == _DECODE_NO_SLOT and len(idx) > 1:
+            half = len(idx) // 2
+            self._decode_split(idx[:half], items, result)
+            self._decode_split(idx[half:], items, result)
+            return
+        reason = "no KV slot for the batch" if rc == _DECODE_NO_SLOT else f"llama_decode={rc}"
+        for i in idx:
+            result.failed[i] = reason
+
+    def _decode(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> int:
+        batch = self._batch
+        tok, pos, nseq, seqs, out = (
+            batch.token,
+            batch.pos,
+            batch.n_seq_id,
+            batch.seq_id,
+            batch.logits,
+        )
+        n = 0
+        sample_at: list[tuple[int, int]] = []  # (item index, batch index)
+        for i in idx:
+            item = items[i]
+            seq, p = item.seq_id, item.start_pos
+            for t in item.tokens:
+                tok[n] = t
+                pos[n] = p
+                nseq[n] = 1
+                seqs[n][0] = seq
+                out[n] = 0
+                n += 1
+                p += 1
+            if item.sampler is not None:
+                out[n - 1] = 1
+                sample_at.append((i, n - 1))
+        if n > self._n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
+        batch.n_tokens = n
+        result.decode_calls += 1
+        rc = ll.llama_decode(self._ctx, batch)
+        if rc != 0:
+            return rc
+        for i, b in sample_at:
+            result.sampled[i] = items[i].sampler.sample(self._ctx, b)  # type: ignore[union-attr]
+        return 0
+
+    def close(self) -> None:
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None

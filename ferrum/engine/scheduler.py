@@ -1,0 +1,180 @@
+"""Scheduler: decides, each step, which tokens of which requests go into one llama_decode.
+
+One step's batch, under a token budget that never exceeds llama's n_batch (going over it aborts
+the process inside llama.cpp):
+
+    [ decode A | decode B | decode C | prefill chunk D (≤ rest) | first chunk of E (≤ rest) ]
+      running requests, oldest first,   running prefills        newly admitted (FIFO)
+      one token each                    continue
+
+Decodes go first so a long prompt never stalls running streams; prefills take what is left.
+
+Memory: admission reserves KV blocks for everything the request has so far (prompt, plus any
+output from before a preemption); each decode grows its page table on demand. When a decode finds
+no free block, the newest running request is preempted: its blocks and sequence id are released
+and it returns to the head of the queue, to be recomputed later with its output kept. The oldest
+request therefore always progresses, and nothing is ever asked of llama.cpp that the ledger
+has not granted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
+from ferrum.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Positions [start, start + length) of `request.all_token_ids` go into this step."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the known tokens: its last logits are sampled."""
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Sequence ids released since the last step: their cells must be cleared before this
+    # step's decode, because a newly admitted request may already own one of them again.
+    released_seq_ids: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, max_running: int, token_budget: int, watermark: float = 0.01
+    ):
+        if max_running <= 0 or token_budget <= 0:
+            raise ValueError("max_running and token_budget must be positive")
+        self.blocks = blocks
+        self.seq_ids = SeqIdPool(max_running)
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self._watermark = int(blocks.num_blocks * watermark)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._released: list[int] = []
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request wherever it is and frees everything it held."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        budget = self._schedule_decodes(out, budget)
+        budget = self._schedule_running_prefills(out, budget)
+        self._admit(out, budget)
+        out.released_seq_ids, self._released = self._released, []
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            if not self._grow_or_preempt(req, out):
+                continue  # req itself was preempted
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
+            budget -= 1
+        return budget
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            if budget == 0:
+                break
+            if remaining <= 1:
+                continue
+            n = min(remaining, budget)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            # +1: room for the first sampled token, so a fresh admission is not preempted at once.
+            need = blocks_for(req.num_tokens + 1, self.blocks.block_size)
+            if need + self._watermark > self.blocks.num_free and self.running:
+                break  # FIFO: later requests wait behind the head rather than overtake it
+            if not self.blocks.grow(req.page_table, req.num_tokens):
+                break
+            self.waiting.popleft()
+            req.seq_id = self.seq_ids.acquire()
+            if req.seq_id is None:  # cannot happen: the pool is sized max_running
+                raise RuntimeError("sequence id pool exhausted below max_running")
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+
+    def _grow_or_preempt(self, req: Request, out: SchedulerOutput) -> bool:
+        """Room for req's next position, preempting newer requests; False if req itself went."""
+        while not self.blocks.grow(req.page_table, req.num_computed_tokens + 1):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.release(req.page_table)
+        if req.seq_id is not None:
+            self.seq_ids.release(req.seq_id)
+            self._released.append(req.seq_id)
+            req.seq_id = None
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """No block or sequence id lost or double-owned; waiting requests hold nothing."""
+        self.blocks.check_integrity(r.page_table for r in self.running)
+        self.seq_ids.check_integrity(r.seq_id for r in self.running)  # type: ignore[misc]
+        for r in self.waiting:
+            if r.page_table.blocks or r.seq_id is not None:
+                raise IntegrityError(f"waiting request {r.request_id} holds KV resources")

@@ -1,0 +1,71 @@
+"""Typed errors that carry their OpenAI error shape and HTTP status.
+
+Every layer raises these; only the API turns them into responses, so no code ever maps an
+error by reading its message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FerrumError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(FerrumError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(FerrumError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(FerrumError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ServiceUnavailable(FerrumError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class EngineError(FerrumError):
+    """The engine failed a request (e.g. llama_decode error); other requests keep running."""
+
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+
+
+class ModelLoadError(FerrumError):
+    """The model file is missing or unreadable; the server refuses to start."""

@@ -1,0 +1,119 @@
+"""Prometheus metrics, fed by the engine's per-step statistics.
+
+One registry per server (no module-level globals), so tests can run several servers in one
+process. `Metrics.on_step` runs on the engine thread; prometheus_client is thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ferrum.engine.outputs import EngineObserver, StepStats
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics(EngineObserver):
+    def __init__(self) -> None:
+        self._last = StepStats()
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "ferrum_requests", "Finished requests", ["finish_reason"], registry=r
+        )
+        self.tokens_generated = Counter(
+            "ferrum_tokens_generated", "Generated (output) tokens", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "ferrum_prompt_tokens", "Prompt tokens prefilled by the engine", registry=r
+        )
+        self.latency = Histogram(
+            "ferrum_request_latency_seconds",
+            "Arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ferrum_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "ferrum_inter_token_latency_seconds",
+            "Gap between a request's tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "ferrum_step_tokens",
+            "Tokens decoded per llama_decode step (batching at work)",
+            buckets=_STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_sequences = Histogram(
+            "ferrum_step_sequences",
+            "Sequences per llama_decode step",
+            buckets=_STEP_TOKEN_BUCKETS[:8],
+            registry=r,
+        )
+        self.kv_usage = Gauge("ferrum_kv_cache_usage_ratio", "KV blocks in use / total", registry=r)
+        self.queue_depth = Gauge("ferrum_queue_depth", "Requests waiting for admission", registry=r)
+        self.active = Gauge("ferrum_active_requests", "Requests admitted and running", registry=r)
+        self.preemptions = Counter(
+            "ferrum_preemptions", "Requests preempted for KV space (recomputed later)", registry=r
+        )
+        self.decode_failures = Counter(
+            "ferrum_decode_failures", "Requests failed by llama_decode errors", registry=r
+        )
+        self.prefix_hits = Counter(
+            "ferrum_prefix_cache_hits", "Requests that reused a resident prefix", registry=r
+        )
+        self.prefix_misses = Counter(
+            "ferrum_prefix_cache_misses", "Requests that prefilled from scratch", registry=r
+        )
+
+    def on_step(self, stats: StepStats) -> None:
+        if stats.num_tokens:
+            self.step_tokens.observe(stats.num_tokens)
+            self.step_sequences.observe(stats.num_sequences)
+        if stats.generated_tokens:
+            self.tokens_generated.inc(stats.generated_tokens)
+        if stats.prompt_tokens_computed:
+            self.prompt_tokens.inc(stats.prompt_tokens_computed)
+        if stats.preemptions:
+            self.preemptions.inc(stats.preemptions)
+        if stats.decode_failures:
+            self.decode_failures.inc(stats.decode_failures)
+        for t in stats.ttfts:
+            self.ttft.observe(t)
+        for t in stats.inter_token_latencies:
+            self.itl.observe(t)
+        for f in stats.finished:
+            self.requests.labels(finish_reason=f.finish_reason).inc()
+            self.latency.observe(f.latency_s)
+            if f.cached_tokens:
+                self.prefix_hits.inc()
+            else:
+                self.prefix_misses.inc()
+        self.kv_usage.set(stats.kv_usage)
+        self.queue_depth.set(stats.queue_depth)
+        self.active.set(stats.active_requests)
+        self._last = stats
+
+    def snapshot(self) -> dict[str, float | int]:
+        """The gauges as of the last engine step, for /health."""
+        last = self._last
+        return {
+            "kv_cache_usage_ratio": round(last.kv_usage, 4),
+            "queue_depth": last.queue_depth,
+            "active_requests": last.active_requests,
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,165 @@
+"""Builders for the engine's contracts, and a fake runner with a byte tokenizer.
+
+The fake runner behaves like llama.cpp where it matters to the engine and is stricter where
+llama.cpp would silently corrupt: it keeps each sequence's tokens by position, refuses a chunk
+whose first position is not the sequence's next one ("non-consecutive positions"), refuses
+batches over n_batch, and raises if a sequence id is used by a new request before it was
+cleared. Its "model" picks the next token from everything resident in the sequence, so stale
+or missing KV shows up as different output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.request import SamplingParams
+
+BOS = 256
+EOS = 257
+N_VOCAB = 258
+
+
+def byte_tokenize(text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    return ([BOS] if add_special else []) + list(text.encode("utf-8"))
+
+
+def model_info(**overrides: object) -> ModelInfo:
+    base = ModelInfo(
+        path="fake.gguf",
+        architecture="fake",
+        description="fake byte model",
+        n_ctx=1024,
+        n_ctx_train=1024,
+        n_batch=64,
+        n_seq_max=4,
+        n_vocab=N_VOCAB,
+        n_swa=0,
+        threads=1,
+        is_recurrent=False,
+        is_hybrid=False,
+        chat_template=None,
+        bos_text="",
+        eos_text="",
+        add_bos=True,
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def sampling(**overrides: object) -> SamplingParams:
+    return replace(SamplingParams(max_tokens=8, temperature=0.0), **overrides)  # type: ignore[arg-type]
+
+
+def default_next_token(history: Sequence[int]) -> int:
+    """Lower-case letters that depend on the whole resident history."""
+    h = 7
+    for t in history:
+        h = (h * 31 + t) % 1_000_003
+    return ord("a") + h % 26
+
+
+@dataclass
+class FakeSampler:
+    params: SamplingParams
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeRunner:
+    info: ModelInfo = field(default_factory=model_info)
+    next_token: Callable[[Sequence[int]], int] = default_next_token
+    kv: dict[int, list[int]] = field(default_factory=dict)
+    # Fault injection: sequence ids whose next decode fails (once each).
+    fail_seqs: set[int] = field(default_factory=set)
+    samplers: list[FakeSampler] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    cleared: list[int] = field(default_factory=list)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return byte_tokenize(text, add_special, parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else b""
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+    def new_sampler(self, params: SamplingParams) -> FakeSampler:
+        s = FakeSampler(params)
+        self.samplers.append(s)
+        return s
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.kv.pop(seq_id, None)
+        self.cleared.append(seq_id)
+
+    def execute(self, items: Sequence[BatchItem]) -> StepResult:
+        n = sum(len(i.tokens) for i in items)
+        if n > self.info.n_batch:
+            raise AssertionError(f"batch of {n} tokens over n_batch {self.info.n_batch}")
+        if len({i.seq_id for i in items}) != len(items):
+            raise AssertionError("a sequence appears twice in one batch")
+        self.batch_sizes.append(n)
+        result = StepResult(decode_calls=1)
+        for idx, item in enumerate(items):
+            if item.seq_id in self.fail_seqs:
+                self.fail_seqs.discard(item.seq_id)
+                result.failed[idx] = "injected fault"
+                continue
+            cells = self.kv.setdefault(item.seq_id, [])
+            if item.start_pos != len(cells):
+                raise AssertionError(
+                    f"seq {item.seq_id}: chunk at {item.start_pos}, {len(cells)} resident"
+                )
+            cells.extend(item.tokens)
+            if item.sampler is not None:
+                if item.sampler.closed:
+                    raise AssertionError("sampling with a closed sampler")
+                result.sampled[idx] = self.next_token(cells)
+        return result
+
+
+def fake_engine(runner: FakeRunner | None = None, block_size: int = 16) -> LLMEngine:
+    return LLMEngine(runner or FakeRunner(), block_size=block_size)
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, dict]:
+    """Steps until idle; returns per request the joined content and the final output."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            return results
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"content": "", "reasoning": "", "final": None})
+            r["content"] += out.content
+            r["reasoning"] += out.reasoning
+            if out.finished:
+                r["final"] = out
+        engine.check_integrity()
+    raise AssertionError("engine did not drain")
+
+
+def fake_app(runner: FakeRunner | None = None, **state: object):
+    """The real FastAPI app over the fake runner (ChatML template, byte tokenizer)."""
+    from ferrum.api.app import ServerState, create_app
+    from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
+    from ferrum.engine.async_engine import AsyncEngine
+    from ferrum.metrics import Metrics
+
+    runner = runner or FakeRunner()
+    metrics = Metrics()
+    engine = LLMEngine(runner, block_size=16, observer=metrics)
+    fields = {
+        "engine": AsyncEngine(engine),
+        "runner": runner,
+        "formatter": ChatFormatter(BUILTIN_TEMPLATES["chatml"], "", "", True),
+        "metrics": metrics,
+        "alias": "fake",
+        **state,
+    }
+    return create_app(ServerState(**fields))  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""The HTTP API over the fake runner: shapes, streaming, and every error as OpenAI's 4xx."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.factories import FakeRunner, fake_app, model_info
+
+
+@pytest.fixture
+def client():
+    with TestClient(fake_app()) as c:
+        yield c
+
+
+def _chat(**kw):
+    body = {"model": "anything", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body.update(kw)
+    return body
+
+
+def _events(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_completion_shape(client):
+    r = client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "fake"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["message"]["content"]) == 4
+    assert choice["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 4 and u["total_tokens"] == u["prompt_tokens"] + 4
+    assert u["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_routes_answer_without_v1_prefix(client):
+    assert client.post("/chat/completions", json=_chat()).status_code == 200
+    assert client.get("/models").json()["data"][0]["id"] == "fake"
+
+
+def test_stream_role_first_usage_last_then_done(client):
+    body = _chat(stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = _events(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1] == "[DONE]"
+    finish = events[-3]
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["usage"]["completion_tokens"] == 4
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == finish["usage"]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-3])
+    whole = client.post("/v1/chat/completions", json=_chat()).json()
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_completions_stream_and_whole_agree(client):
+    body = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion"
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = _events(r)
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == whole["choices"][0]["text"] and len(text) == 6
+    assert events[-2]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": "hi"}, "messages"),
+        ({"temperature": 5}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_parameter(client, body, param):
+    r = client.post("/v1/chat/completions", json=_chat(**body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_and_missing_body_are_400(client):
+    r = client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={}).status_code == 400
+
+
+def test_unknown_route_is_an_openai_404(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert client.get("/v1/models/other").status_code == 404
+
+
+def test_prompt_longer_than_context_is_context_length_exceeded():
+    with TestClient(fake_app(FakeRunner(info=model_info(n_ctx=64)))) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 100})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert c.post("/v1/completions", json={"prompt": [1, 999999]}).status_code == 400
+
+
+def test_extra_fields_are_tolerated(client):
+    assert client.post("/v1/chat/completions", json=_chat(user="u", foo={"x": 1})).status_code == 200
+
+
+def test_api_key_is_required_except_for_health():
+    with TestClient(fake_app(api_keys=("k1", "k2"))) as c:
+        r = c.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        bad = {"Authorization": "Bearer nope"}
+        assert c.post("/v1/chat/completions", json=_chat(), headers=bad).status_code == 401
+        ok = {"Authorization": "Bearer k2"}
+        assert c.post("/v1/chat/completions", json=_chat(), headers=ok).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def test_tokenize_detokenize_round_trip(client):
+    toks = client.post("/tokenize", json={"content": "héllo"}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": toks}).json()["content"] == "héllo"
+
+
+def test_health_and_metrics(client):
+    client.post("/v1/chat/completions", json=_chat())
+    h = client.get("/health").json()
+    assert h["status"] == "ok" and h["active_requests"] == 0 and h["kv_cache_usage_ratio"] == 0
+    m = client.get("/metrics").text
+    for name in (
+        'ferrum_requests_total{finish_reason="length"} 1.0',
+        "ferrum_tokens_generated_total 4.0",
+        "ferrum_request_latency_seconds_bucket",
+        "ferrum_kv_cache_usage_ratio",
+        "ferrum_queue_depth",
+        "ferrum_active_requests",
+        "ferrum_prefix_cache_hits_total",
+        "ferrum_prefix_cache_misses_total",
+        "ferrum_time_to_first_token_seconds_bucket",
+        "ferrum_inter_token_latency_seconds_bucket",
+        "ferrum_prompt_tokens_total",
+        "ferrum_step_tokens_bucket",
+    ):
+        assert name in m, name
+
+
+def test_engine_fault_mid_request_is_an_error_not_an_empty_200():
+    runner = FakeRunner()
+    runner.fail_seqs.add(0)
+    with TestClient(fake_app(runner)) as c:
+        r = c.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        runner.fail_seqs.add(0)
+        with c.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as r:
+            events = _events(r)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_error"
+        assert c.post("/v1/chat/completions", json=_chat()).status_code == 200

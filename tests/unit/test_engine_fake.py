@@ -1,0 +1,175 @@
+"""The engine on the fake runner: batching, stops, lengths, aborts, faults, preemption."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ferrum.errors import ContextLengthExceeded, InvalidRequest
+from tests.factories import (
+    EOS,
+    FakeRunner,
+    byte_tokenize,
+    fake_engine,
+    model_info,
+    run_to_completion,
+    sampling,
+)
+
+PROMPTS = ["hello", "a much longer prompt that needs several chunks " * 3, "x", "ünïcødé ✓"]
+
+
+def _alone(prompt: str, **params) -> str:
+    engine = fake_engine()
+    engine.add_request("r", byte_tokenize(prompt), sampling(**params))
+    return run_to_completion(engine)["r"]["content"]
+
+
+def test_batched_output_equals_output_alone():
+    engine = fake_engine()
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", byte_tokenize(p), sampling(max_tokens=12))
+    results = run_to_completion(engine)
+    for i, p in enumerate(PROMPTS):
+        assert results[f"r{i}"]["content"] == _alone(p, max_tokens=12)
+    assert max(engine.runner.batch_sizes) > 1
+
+
+def test_requests_decode_together_in_one_call():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    for i in range(4):
+        engine.add_request(f"r{i}", byte_tokenize(f"p{i}"), sampling(max_tokens=20))
+    run_to_completion(engine)
+    assert runner.batch_sizes.count(4) >= 15  # 4 sequences × 1 token per decode step
+
+
+def test_max_tokens_gives_finish_reason_length_and_usage():
+    engine = fake_engine()
+    engine.add_request("r", byte_tokenize("hi"), sampling(max_tokens=5))
+    final = run_to_completion(engine)["r"]["final"]
+    assert final.finish_reason == "length"
+    assert (final.prompt_tokens, final.completion_tokens) == (3, 5)
+
+
+def test_eog_token_stops_unless_ignore_eos():
+    script = lambda hist: EOS if len(hist) >= 6 else ord("z")  # noqa: E731
+    engine = fake_engine(FakeRunner(next_token=script))
+    engine.add_request("r", byte_tokenize("abc"), sampling(max_tokens=10))
+    engine.add_request("i", byte_tokenize("abc"), sampling(max_tokens=10, ignore_eos=True))
+    res = run_to_completion(engine)
+    assert res["r"]["final"].finish_reason == "stop"
+    assert res["r"]["content"] == "zz"  # the EOS itself is never text
+    assert res["i"]["final"].finish_reason == "length"
+    assert res["i"]["final"].completion_tokens == 10
+
+
+def test_stop_string_across_tokens_is_not_emitted():
+    text = iter("say STOP now")
+    engine = fake_engine(FakeRunner(next_token=lambda hist: ord(next(text))))
+    engine.add_request("r", byte_tokenize("q"), sampling(max_tokens=20, stop=("STOP",)))
+    res = run_to_completion(engine)["r"]
+    assert res["content"] == "say "
+    assert res["final"].finish_reason == "stop"
+
+
+def test_think_block_goes_to_reasoning():
+    text = iter("<think>hmm</think>\n\nanswer" + "!" * 20)
+    engine = fake_engine(FakeRunner(next_token=lambda hist: ord(next(text))))
+    engine.add_request("r", byte_tokenize("q"), sampling(max_tokens=30))
+    res = run_to_completion(engine)["r"]
+    assert (res["reasoning"], res["content"][:6]) == ("hmm", "answer")
+
+
+def test_abort_frees_everything_and_other_requests_continue():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    engine.add_request("a", byte_tokenize("aaa"), sampling(max_tokens=50))
+    engine.add_request("b", byte_tokenize("bbb"), sampling(max_tokens=5))
+    engine.step()
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.abort("a") is None  # idempotent
+    res = run_to_completion(engine)
+    assert res["b"]["final"].finish_reason == "length"
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+    assert all(s.closed for s in runner.samplers)
+
+
+def test_a_decode_fault_fails_only_its_request_and_the_sequence_is_cleared():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    engine.add_request("a", byte_tokenize("aaa"), sampling(max_tokens=6))
+    engine.add_request("b", byte_tokenize("bbb"), sampling(max_tokens=6))
+    first = {o.request_id: o.content for o in engine.step()}
+    runner.fail_seqs.add(0)
+    res = run_to_completion(engine)
+    assert res["a"]["final"].finish_reason == "error"
+    assert res["b"]["final"].finish_reason == "length"
+    assert first["b"] + res["b"]["content"] == _alone("bbb", max_tokens=6)
+    engine.add_request("c", byte_tokenize("ccc"), sampling(max_tokens=6))  # reuses seq 0
+    assert run_to_completion(engine)["c"]["content"] == _alone("ccc", max_tokens=6)
+
+
+def test_preempted_requests_produce_the_same_output():
+    # 6 blocks of 4 tokens: three requests growing to 18 positions cannot all stay resident.
+    runner = FakeRunner(info=model_info(n_ctx=24, n_batch=16))
+    engine = fake_engine(runner, block_size=4)
+    preemptions = []
+    engine.observer.on_step = lambda stats: preemptions.append(stats.preemptions)
+    prompts = ["abc", "defg", "hi"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", byte_tokenize(p), sampling(max_tokens=14))
+    res = run_to_completion(engine)
+    assert sum(preemptions) > 0
+    for i, p in enumerate(prompts):
+        assert res[f"r{i}"]["content"] == _alone(p, max_tokens=14)
+        assert res[f"r{i}"]["final"].completion_tokens == 14
+
+
+def test_context_rules():
+    engine = fake_engine(FakeRunner(info=model_info(n_ctx=64)))
+    with pytest.raises(ContextLengthExceeded):
+        engine.clamp_max_tokens(64, 1)
+    with pytest.raises(InvalidRequest):
+        engine.clamp_max_tokens(0, 1)
+    assert engine.clamp_max_tokens(60, 100) == 4  # clamped to the room left
+    assert engine.clamp_max_tokens(60, None) == 4
+    assert engine.clamp_max_tokens(10, 3) == 3
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "abort", "step", "fault"]),
+            st.integers(1, 40),
+            st.integers(1, 20),
+        ),
+        max_size=60,
+    )
+)
+def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
+    runner = FakeRunner(info=model_info(n_ctx=128, n_batch=32, n_seq_max=3))
+    engine = fake_engine(runner, block_size=8)
+    added: list[str] = []
+    for i, (op, a, b) in enumerate(ops):
+        if op == "add":
+            rid = f"r{i}"
+            n_prompt = min(a, 100)
+            engine.add_request(rid, [65] * n_prompt, sampling(max_tokens=b))
+            added.append(rid)
+        elif op == "abort" and added:
+            engine.abort(added[a % len(added)])
+        elif op == "fault":
+            runner.fail_seqs.add(a % 3)
+        elif engine.has_work:
+            engine.step()
+        engine.check_integrity()
+    runner.fail_seqs.clear()
+    run_to_completion(engine)
+    sched = engine.scheduler
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert sched.seq_ids.num_free == 3
+
