@@ -9,11 +9,13 @@
 #     src/llama_cpp_python-VERSION/            unpacked sdist
 #     build-VERSION/bin/llama-server           the binary (path printed on the last line)
 #
-# Idempotent: each step is skipped when its output already exists; `make`-style
-# incremental rebuilds handle the rest. CPU-only Release build, no network at build
-# time (no UI download, no HTTPS).
+# Idempotent: each step is skipped when its output already exists (configure re-runs only
+# when the cmake arguments change); the build step is an incremental no-op when up to date.
+# CPU-only Release build, no network at build time (no UI download, no HTTPS).
 #
-# Usage: bench/build_llama_server.sh            (env: FERRUM_BENCH_CACHE, JOBS, PYTHON)
+# Usage: bench/build_llama_server.sh
+#   env: FERRUM_BENCH_CACHE, JOBS (default nproc), PYTHON (pip to use),
+#        GGML_NATIVE (default OFF), EXTRA_CMAKE_ARGS (appended to the cmake configure line)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,20 +71,18 @@ unpack_sdist() {
     fi
 }
 
-configure() {
-    if [[ -f "$build_dir/CMakeCache.txt" ]]; then
-        log "already configured: $build_dir"
-        return
-    fi
-    local generator=()
-    if command -v ninja >/dev/null; then generator=(-G Ninja); fi
-    log "configuring (Release, CPU only, offline)"
-    # LLAMA_CURL is deprecated/ignored in this llama.cpp; the network-touching knobs
-    # are the prebuilt web-UI download and OpenSSL, both switched off here.
-    cmake -S "$llama_dir" -B "$build_dir" "${generator[@]}" \
+cmake_args() {
+    # GGML_NATIVE=OFF gives the portable x86-64 kernel set (AVX, AVX2, FMA, F16C, BMI2): the
+    # same one the llama-cpp-python wheel ferrum links reports, so both arms run identical
+    # ggml kernels. -march=native would also pull in AVX-512/AMX, and the AMX path segfaults
+    # in VMs whose kernel does not grant AMX tile state (seen here on a Firecracker guest).
+    # LLAMA_CURL is deprecated/ignored in this llama.cpp; the network-touching knobs are the
+    # prebuilt web-UI download and OpenSSL, both switched off.
+    printf '%s\n' \
         -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON \
+        "-DGGML_NATIVE=${GGML_NATIVE:-OFF}" \
         -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_CCACHE=OFF \
         -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=ON \
@@ -90,7 +90,27 @@ configure() {
         -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_BORINGSSL=OFF \
-        -DLLAMA_BUILD_LIBRESSL=OFF >&2
+        -DLLAMA_BUILD_LIBRESSL=OFF \
+        ${EXTRA_CMAKE_ARGS:-}
+}
+
+configure() {
+    local stamp="$build_dir/.ferrum-cmake-args" wanted
+    wanted="$(cmake_args)"
+    if [[ -f "$build_dir/CMakeCache.txt" && -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]]; then
+        log "already configured: $build_dir"
+        return
+    fi
+    # Start from an empty cache: options derived from others (GGML_AVX* from GGML_NATIVE)
+    # would otherwise keep their old cached values. Object files stay for incremental builds.
+    rm -f "$build_dir/CMakeCache.txt"
+    local generator=()
+    if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+    log "configuring (Release, CPU only, offline)"
+    local args
+    mapfile -t args <<<"$wanted"
+    cmake -S "$llama_dir" -B "$build_dir" "${generator[@]}" "${args[@]}" >&2
+    echo "$wanted" >"$stamp"
 }
 
 build() {

@@ -109,6 +109,7 @@ class LlamaRunner:
         self._vocab = ll.llama_model_get_vocab(self._model)
         self._n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self._piece_cache: dict[int, bytes] = {}
+        self._eog_cache: dict[int, bool] = {}
         self._mem = ll.llama_get_memory(self._ctx)
         self.info = self._describe(model_path, config.resolved_threads())
 
@@ -196,7 +197,10 @@ class LlamaRunner:
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog_cache.get(token)
+        if eog is None:
+            eog = self._eog_cache[token] = bool(ll.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     # -- decoding ---------------------------------------------------------------------------
 

@@ -99,7 +99,9 @@ def test_bad_input_is_a_400_naming_the_parameter(client, body, param):
 
 
 def test_invalid_json_and_missing_body_are_400(client):
-    r = client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert client.post("/v1/completions", json={}).status_code == 400
 
@@ -119,7 +121,9 @@ def test_prompt_longer_than_context_is_context_length_exceeded():
 
 
 def test_extra_fields_are_tolerated(client):
-    assert client.post("/v1/chat/completions", json=_chat(user="u", foo={"x": 1})).status_code == 200
+    assert (
+        client.post("/v1/chat/completions", json=_chat(user="u", foo={"x": 1})).status_code == 200
+    )
 
 
 def test_api_key_is_required_except_for_health():

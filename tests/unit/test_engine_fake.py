@@ -172,4 +172,3 @@ def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
     sched = engine.scheduler
     assert sched.blocks.num_free == sched.blocks.num_blocks
     assert sched.seq_ids.num_free == 3
-
