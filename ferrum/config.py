@@ -68,6 +68,10 @@ class EngineConfig:
     block_size: int = field(
         default=16, metadata=_flag("--block-size", help="tokens per KV block (accounting unit)")
     )
+    no_prefix_cache: bool = field(
+        default=False,
+        metadata=_flag("--no-prefix-cache", help="never reuse resident KV across requests"),
+    )
     gpu_layers: int = field(
         default=0,
         metadata=_flag("--gpu-layers", "-ngl", help="layers offloaded to the GPU (CUDA builds)"),

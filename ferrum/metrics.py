@@ -22,6 +22,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics(EngineObserver):
     def __init__(self) -> None:
         self._last = StepStats()
+        # Plain copies of three counters for /health (prometheus_client has no public getter).
+        self._prefix_totals = {"hits": 0, "misses": 0, "saved_tokens": 0}
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "ferrum_requests", "Finished requests", ["finish_reason"], registry=r
@@ -77,6 +79,22 @@ class Metrics(EngineObserver):
         self.prefix_misses = Counter(
             "ferrum_prefix_cache_misses", "Requests that prefilled from scratch", registry=r
         )
+        self.prefix_saved = Counter(
+            "ferrum_prefix_cache_saved_tokens",
+            "Prompt tokens reused instead of computed",
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "ferrum_prefix_cache_evictions", "Parked sequences evicted for room", registry=r
+        )
+        self.parked = Gauge(
+            "ferrum_prefix_cache_parked_sequences",
+            "Finished sequences kept for reuse",
+            registry=r,
+        )
+        self.parked_blocks = Gauge(
+            "ferrum_prefix_cache_blocks", "KV blocks held by parked sequences", registry=r
+        )
 
     def on_step(self, stats: StepStats) -> None:
         if stats.num_tokens:
@@ -97,13 +115,22 @@ class Metrics(EngineObserver):
         for f in stats.finished:
             self.requests.labels(finish_reason=f.finish_reason).inc()
             self.latency.observe(f.latency_s)
+            totals = self._prefix_totals
             if f.cached_tokens:
                 self.prefix_hits.inc()
+                self.prefix_saved.inc(f.cached_tokens)
+                totals["hits"] += 1
+                totals["saved_tokens"] += f.cached_tokens
             else:
                 self.prefix_misses.inc()
+                totals["misses"] += 1
         self.kv_usage.set(stats.kv_usage)
         self.queue_depth.set(stats.queue_depth)
         self.active.set(stats.active_requests)
+        self.parked.set(stats.parked_sequences)
+        self.parked_blocks.set(stats.parked_blocks)
+        if stats.evictions_total > self._last.evictions_total:
+            self.prefix_evictions.inc(stats.evictions_total - self._last.evictions_total)
         self._last = stats
 
     def snapshot(self) -> dict[str, float | int]:
@@ -113,6 +140,12 @@ class Metrics(EngineObserver):
             "kv_cache_usage_ratio": round(last.kv_usage, 4),
             "queue_depth": last.queue_depth,
             "active_requests": last.active_requests,
+            "prefix_cache": {
+                "parked_sequences": last.parked_sequences,
+                "blocks": last.parked_blocks,
+                "evictions": last.evictions_total,
+                **self._prefix_totals,
+            },
         }
 
     def render(self) -> bytes:

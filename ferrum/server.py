@@ -28,7 +28,13 @@ def build_server(
         runner.close()
         raise
     metrics = Metrics()
-    engine = LLMEngine(runner, block_size=engine_cfg.block_size, observer=metrics)
+    engine = LLMEngine(
+        runner,
+        block_size=engine_cfg.block_size,
+        observer=metrics,
+        max_running=engine_cfg.parallel,
+        prefix_cache=not engine_cfg.no_prefix_cache,
+    )
     alias = server_cfg.alias or Path(model_path).stem
     state = ServerState(
         engine=AsyncEngine(engine),

@@ -34,7 +34,7 @@ def model_info(**overrides: object) -> ModelInfo:
         n_ctx=1024,
         n_ctx_train=1024,
         n_batch=64,
-        n_seq_max=4,
+        n_seq_max=8,
         n_vocab=N_VOCAB,
         n_swa=0,
         threads=1,
@@ -79,6 +79,7 @@ class FakeRunner:
     samplers: list[FakeSampler] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     cleared: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -97,6 +98,14 @@ class FakeRunner:
     def clear_sequence(self, seq_id: int) -> None:
         self.kv.pop(seq_id, None)
         self.cleared.append(seq_id)
+
+    def copy_sequence(self, src: int, dst: int, length: int) -> None:
+        if self.kv.get(dst):
+            raise AssertionError(f"copy into seq {dst}, which still holds cells")
+        if len(self.kv.get(src, [])) < length:
+            raise AssertionError(f"copy of {length} positions from seq {src}, which has fewer")
+        self.kv[dst] = self.kv[src][:length]
+        self.copies.append((src, dst, length))
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         n = sum(len(i.tokens) for i in items)
@@ -124,8 +133,17 @@ class FakeRunner:
         return result
 
 
-def fake_engine(runner: FakeRunner | None = None, block_size: int = 16) -> LLMEngine:
-    return LLMEngine(runner or FakeRunner(), block_size=block_size)
+def fake_engine(
+    runner: FakeRunner | None = None, block_size: int = 16, prefix_cache: bool = True
+) -> LLMEngine:
+    """Half the model's sequence ids run requests, the other half hold parked sequences."""
+    runner = runner or FakeRunner()
+    return LLMEngine(
+        runner,
+        block_size=block_size,
+        max_running=max(1, runner.info.n_seq_max // 2),
+        prefix_cache=prefix_cache,
+    )
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, dict]:
@@ -135,9 +153,12 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, d
         if not engine.has_work:
             return results
         for out in engine.step():
-            r = results.setdefault(out.request_id, {"content": "", "reasoning": "", "final": None})
+            r = results.setdefault(
+                out.request_id, {"content": "", "reasoning": "", "tokens": [], "final": None}
+            )
             r["content"] += out.content
             r["reasoning"] += out.reasoning
+            r["tokens"] += out.token_ids
             if out.finished:
                 r["final"] = out
         engine.check_integrity()
@@ -153,7 +174,7 @@ def fake_app(runner: FakeRunner | None = None, **state: object):
 
     runner = runner or FakeRunner()
     metrics = Metrics()
-    engine = LLMEngine(runner, block_size=16, observer=metrics)
+    engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)
     fields = {
         "engine": AsyncEngine(engine),
         "runner": runner,

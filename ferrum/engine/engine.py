@@ -14,6 +14,7 @@ from typing import Any
 
 from ferrum.engine.batch import BatchItem
 from ferrum.engine.kv import BlockManager, IntegrityError
+from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import Scheduler, SchedulerOutput
@@ -33,14 +34,26 @@ class _Live:
 
 
 class LLMEngine:
-    def __init__(self, runner: Any, block_size: int = 16, observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        runner: Any,
+        block_size: int = 16,
+        observer: EngineObserver | None = None,
+        max_running: int | None = None,
+        prefix_cache: bool = True,
+    ):
         info = runner.info
         self.runner = runner
         self.info = info
         blocks = BlockManager(info.n_ctx // block_size, block_size)
         # Largest number of positions a single request may occupy (prompt + output).
         self.max_positions = blocks.num_blocks * block_size
-        self.scheduler = Scheduler(blocks, max_running=info.n_seq_max, token_budget=info.n_batch)
+        # Recurrent state cannot be shared between sequences; only attention KV cells can.
+        share = not (info.is_recurrent or info.is_hybrid)
+        self.kv = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share_cells=share)
+        self.scheduler = Scheduler(
+            self.kv, max_running=max_running or info.n_seq_max, token_budget=info.n_batch
+        )
         self.observer = observer or EngineObserver()
         self._live: dict[str, _Live] = {}
         self._finished_stats: list[FinishedRequest] = []
@@ -101,8 +114,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
-        for seq in sched.released_seq_ids:
-            self.runner.clear_sequence(seq)
         stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
         stats.preemptions = len(sched.preempted)
         touched: list[_Live] = []
@@ -138,7 +149,7 @@ class LLMEngine:
 
     def _on_token(self, live: _Live, token: int, now: float, stats: StepStats) -> None:
         req = live.request
-        req.append_output(token)
+        self.scheduler.append_token(req, token)
         stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -180,6 +191,7 @@ class LLMEngine:
                 completion_tokens=req.num_output_tokens,
                 latency_s=time.monotonic() - req.arrival_time,
                 ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+                cached_tokens=req.num_cached_tokens,
             )
         )
 
@@ -187,6 +199,7 @@ class LLMEngine:
         """Hands out the accumulated delta and starts a fresh one."""
         out = live.pending
         out.completion_tokens = live.request.num_output_tokens
+        out.cached_tokens = live.request.num_cached_tokens
         live.pending = RequestOutput(out.request_id, prompt_tokens=out.prompt_tokens)
         return out
 
@@ -195,6 +208,9 @@ class LLMEngine:
         stats = stats or StepStats()
         sched = self.scheduler
         stats.kv_usage = sched.blocks.usage
+        stats.parked_sequences = len(self.kv.parked)
+        stats.parked_blocks = self.kv.parked.num_blocks
+        stats.evictions_total = self.kv.evictions
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []

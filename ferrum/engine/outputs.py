@@ -44,6 +44,9 @@ class StepStats:
     decode_failures: int = 0
     step_s: float = 0.0
     kv_usage: float = 0.0
+    parked_sequences: int = 0
+    parked_blocks: int = 0
+    evictions_total: int = 0
     queue_depth: int = 0
     active_requests: int = 0
     ttfts: list[float] = field(default_factory=list)

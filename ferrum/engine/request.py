@@ -75,10 +75,17 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Prompt positions whose KV was reused from another sequence instead of computed.
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All known tokens: what the prefix index matches newcomers against."""
+        return self.all_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -121,13 +121,17 @@ class LlamaRunner:
         # n_ubatch == n_batch: one llama_decode is one micro-batch, so a failed decode has
         # committed nothing to the KV cache and the step can be retried or split safely.
         cparams.n_ubatch = config.batch_size
-        cparams.n_seq_max = config.parallel
+        # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse.
+        cparams.n_seq_max = config.parallel * (1 if config.no_prefix_cache else 2)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
         # One cell pool for all sequences: any request may use the whole context, and cells can
         # be shared between sequences without copying.
         cparams.kv_unified = True
+        # Sliding-window layers keep every position: a prefix reused from a sequence that has
+        # moved past the window (Gemma 3: 512) would otherwise have lost the cells it needs.
+        cparams.swa_full = True
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
@@ -210,6 +214,12 @@ class LlamaRunner:
     def clear_sequence(self, seq_id: int) -> None:
         # Removing a whole sequence never fails, for KV and recurrent memory alike.
         ll.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
+
+    def copy_sequence(self, src: int, dst: int, length: int) -> None:
+        """dst shares src's cells for positions [0, length): metadata only on a unified KV."""
+        if self.info.is_recurrent or self.info.is_hybrid:
+            raise ValueError("recurrent state cannot be shared between sequences")
+        ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         """Decodes all items in one llama_decode and samples where asked."""

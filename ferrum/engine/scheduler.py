@@ -9,12 +9,15 @@ the process inside llama.cpp):
 
 Decodes go first so a long prompt never stalls running streams; prefills take what is left.
 
-Memory: admission reserves KV blocks for everything the request has so far (prompt, plus any
-output from before a preemption); each decode grows its page table on demand. When a decode finds
-no free block, the newest running request is preempted: its blocks and sequence id are released
-and it returns to the head of the queue, to be recomputed later with its output kept. The oldest
-request therefore always progresses, and nothing is ever asked of llama.cpp that the ledger
-has not granted.
+Memory (through `KVManager`): admission reserves KV blocks for everything the request has so
+far, minus what it reuses from a resident prefix; each decode grows its page table on demand.
+When a decode finds no free block, parked sequences are evicted first; then the newest running
+request is preempted: its blocks and sequence id are released and it returns to the head of the
+queue, to be recomputed later with its output kept. The oldest request therefore always
+progresses, and nothing is ever asked of llama.cpp that the ledger has not granted.
+
+Admission is FIFO, with one exception: a request whose prefix is being computed right now by a
+running donor steps aside (without blocking those behind it) until the donor is done with it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
+from ferrum.engine.kv import IntegrityError
+from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -43,9 +47,6 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    # Sequence ids released since the last step: their cells must be cleared before this
-    # step's decode, because a newly admitted request may already own one of them again.
-    released_seq_ids: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -54,19 +55,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self, blocks: BlockManager, max_running: int, token_budget: int, watermark: float = 0.01
-    ):
+    def __init__(self, kv: KVManager, max_running: int, token_budget: int, watermark: float = 0.01):
         if max_running <= 0 or token_budget <= 0:
             raise ValueError("max_running and token_budget must be positive")
-        self.blocks = blocks
-        self.seq_ids = SeqIdPool(max_running)
+        self.kv = kv
+        self.blocks = kv.blocks
         self.max_running = max_running
         self.token_budget = token_budget
-        self._watermark = int(blocks.num_blocks * watermark)
+        self._watermark = int(kv.blocks.num_blocks * watermark)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._released: list[int] = []
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -75,14 +73,18 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Ends a request wherever it is and frees everything it held."""
+        """Ends a request wherever it is; its KV is parked for reuse unless it failed."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release(request)
+            self.kv.release(request, park=reason is not FinishReason.ERROR)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def append_token(self, request: Request, token: int) -> None:
+        request.append_output(token)
+        self.kv.on_tokens_appended(request)
 
     @property
     def has_work(self) -> bool:
@@ -96,7 +98,6 @@ class Scheduler:
         budget = self._schedule_decodes(out, budget)
         budget = self._schedule_running_prefills(out, budget)
         self._admit(out, budget)
-        out.released_seq_ids, self._released = self._released, []
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
@@ -126,18 +127,17 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            # +1: room for the first sampled token, so a fresh admission is not preempted at once.
-            need = blocks_for(req.num_tokens + 1, self.blocks.block_size)
-            if need + self._watermark > self.blocks.num_free and self.running:
-                break  # FIFO: later requests wait behind the head rather than overtake it
-            if not self.blocks.grow(req.page_table, req.num_tokens):
-                break
-            self.waiting.popleft()
-            req.seq_id = self.seq_ids.acquire()
-            if req.seq_id is None:  # cannot happen: the pool is sized max_running
-                raise RuntimeError("sequence id pool exhausted below max_running")
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            reuse = self.kv.plan(req)
+            if reuse is None:
+                i += 1  # its donor is computing the shared prefix: let others go first
+                continue
+            keep_free = self._watermark if self.running else 0
+            if not self.kv.admit(req, reuse, keep_free):
+                break  # FIFO: later requests wait behind one that does not fit
+            del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -146,7 +146,7 @@ class Scheduler:
 
     def _grow_or_preempt(self, req: Request, out: SchedulerOutput) -> bool:
         """Room for req's next position, preempting newer requests; False if req itself went."""
-        while not self.blocks.grow(req.page_table, req.num_computed_tokens + 1):
+        while not self.kv.grow(req, req.num_computed_tokens + 1):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:
@@ -155,26 +155,19 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.kv.release(req, park=False)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
-
-    def _release(self, req: Request) -> None:
-        self.blocks.release(req.page_table)
-        if req.seq_id is not None:
-            self.seq_ids.release(req.seq_id)
-            self._released.append(req.seq_id)
-            req.seq_id = None
 
     # -- checks -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """No block or sequence id lost or double-owned; waiting requests hold nothing."""
-        self.blocks.check_integrity(r.page_table for r in self.running)
-        self.seq_ids.check_integrity(r.seq_id for r in self.running)  # type: ignore[misc]
+        self.kv.check_integrity(self.running)
         for r in self.waiting:
             if r.page_table.blocks or r.seq_id is not None:
                 raise IntegrityError(f"waiting request {r.request_id} holds KV resources")

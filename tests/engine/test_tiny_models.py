@@ -69,7 +69,8 @@ def test_abort_mid_generation_leaves_no_trace(tiny_model):
             engine.step()
         engine.abort("x")
         after = _generate(engine, [PROMPTS[0]])
-        assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+        engine.kv.drop_parked()
+        assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
     with engine_for(tiny_model, parallel=1) as fresh:
         assert _generate(fresh, [PROMPTS[0]]) == after
 

@@ -145,7 +145,9 @@ def test_tokenize_detokenize_round_trip(client):
 def test_health_and_metrics(client):
     client.post("/v1/chat/completions", json=_chat())
     h = client.get("/health").json()
-    assert h["status"] == "ok" and h["active_requests"] == 0 and h["kv_cache_usage_ratio"] == 0
+    assert h["status"] == "ok" and h["active_requests"] == 0
+    assert h["prefix_cache"]["parked_sequences"] == 1  # the finished request, kept for reuse
+    assert h["kv_cache_usage_ratio"] > 0 and h["prefix_cache"]["misses"] == 1
     m = client.get("/metrics").text
     for name in (
         'ferrum_requests_total{finish_reason="length"} 1.0',
@@ -160,6 +162,10 @@ def test_health_and_metrics(client):
         "ferrum_inter_token_latency_seconds_bucket",
         "ferrum_prompt_tokens_total",
         "ferrum_step_tokens_bucket",
+        "ferrum_prefix_cache_saved_tokens_total",
+        "ferrum_prefix_cache_evictions_total",
+        "ferrum_prefix_cache_parked_sequences 1.0",
+        "ferrum_prefix_cache_blocks",
     ):
         assert name in m, name
 

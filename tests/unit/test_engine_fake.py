@@ -93,7 +93,8 @@ def test_abort_frees_everything_and_other_requests_continue():
     assert engine.abort("a") is None  # idempotent
     res = run_to_completion(engine)
     assert res["b"]["final"].finish_reason == "length"
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+    engine.kv.drop_parked()
+    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
     assert all(s.closed for s in runner.samplers)
 
 
@@ -151,7 +152,7 @@ def test_context_rules():
     )
 )
 def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
-    runner = FakeRunner(info=model_info(n_ctx=128, n_batch=32, n_seq_max=3))
+    runner = FakeRunner(info=model_info(n_ctx=128, n_batch=32, n_seq_max=6))
     engine = fake_engine(runner, block_size=8)
     added: list[str] = []
     for i, (op, a, b) in enumerate(ops):
@@ -163,12 +164,13 @@ def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
         elif op == "abort" and added:
             engine.abort(added[a % len(added)])
         elif op == "fault":
-            runner.fail_seqs.add(a % 3)
+            runner.fail_seqs.add(a % 6)
         elif engine.has_work:
             engine.step()
         engine.check_integrity()
     runner.fail_seqs.clear()
     run_to_completion(engine)
-    sched = engine.scheduler
-    assert sched.blocks.num_free == sched.blocks.num_blocks
-    assert sched.seq_ids.num_free == 3
+    engine.kv.drop_parked()
+    engine.check_integrity()
+    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
+    assert engine.kv.seq_ids.num_free == 6

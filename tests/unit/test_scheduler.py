@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from ferrum.engine.kv import BlockManager
+from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
 from ferrum.engine.scheduler import Scheduler
 from tests.factories import sampling
+
+
+class _NoKv:
+    def clear_sequence(self, seq_id: int) -> None:
+        pass
+
+    def copy_sequence(self, src: int, dst: int, length: int) -> None:
+        raise AssertionError("no reuse without a prefix cache")
+
+
+def _sched(num_blocks: int, block_size: int, max_running: int, budget: int, **kw) -> Scheduler:
+    kv = KVManager(BlockManager(num_blocks, block_size), _NoKv(), max_running, prefix_cache=False)
+    return Scheduler(kv, max_running=max_running, token_budget=budget, **kw)
 
 
 def _req(rid: str, n_prompt: int) -> Request:
@@ -22,7 +36,7 @@ def _advance(sched_out, token: int = 5) -> None:
 
 
 def test_step_never_exceeds_the_token_budget_and_prefill_is_chunked():
-    s = Scheduler(BlockManager(64, 16), max_running=4, token_budget=32)
+    s = _sched(64, 16, 4, 32)
     s.add(_req("a", 100))
     out = s.schedule()
     assert [(c.start, c.length) for c in out.chunks] == [(0, 32)]
@@ -37,7 +51,7 @@ def test_step_never_exceeds_the_token_budget_and_prefill_is_chunked():
 
 
 def test_decodes_go_first_and_new_requests_join_at_step_boundaries():
-    s = Scheduler(BlockManager(64, 16), max_running=4, token_budget=16)
+    s = _sched(64, 16, 4, 16)
     s.add(_req("a", 4))
     _advance(s.schedule())  # a prefilled, has its first token
     s.add(_req("long", 40))
@@ -50,7 +64,7 @@ def test_decodes_go_first_and_new_requests_join_at_step_boundaries():
 
 
 def test_admission_is_fifo_and_bounded_by_max_running():
-    s = Scheduler(BlockManager(64, 16), max_running=2, token_budget=100)
+    s = _sched(64, 16, 2, 100)
     for rid in "abc":
         s.add(_req(rid, 4))
     out = s.schedule()
@@ -59,12 +73,12 @@ def test_admission_is_fifo_and_bounded_by_max_running():
     s.finish(s.running[0], FinishReason.STOP)
     out = s.schedule()
     assert "c" in [c.request.request_id for c in out.chunks]
-    assert out.released_seq_ids == [0]  # a's id, to be cleared before c's decode reuses it
+    assert s.running[-1].seq_id == 0  # a's id, cleared when a finished, now c's
     s.check_integrity()
 
 
 def test_a_request_that_does_not_fit_waits_and_blocks_those_behind_it():
-    s = Scheduler(BlockManager(8, 16), max_running=4, token_budget=512)
+    s = _sched(8, 16, 4, 512)
     s.add(_req("a", 60))  # 4 blocks (+1 headroom)
     s.add(_req("big", 70))  # needs 5 + 1: does not fit next to a
     s.add(_req("small", 4))
@@ -75,7 +89,7 @@ def test_a_request_that_does_not_fit_waits_and_blocks_those_behind_it():
 
 
 def test_decode_without_free_blocks_preempts_the_newest_request():
-    s = Scheduler(BlockManager(4, 4), max_running=4, token_budget=64, watermark=0)
+    s = _sched(4, 4, 4, 64, watermark=0)
     a, b, c = _req("a", 8), _req("b", 3), _req("c", 3)
     for r in (a, b, c):
         s.add(r)
@@ -91,7 +105,7 @@ def test_decode_without_free_blocks_preempts_the_newest_request():
 
 
 def test_finish_of_a_waiting_request_frees_nothing_it_did_not_hold():
-    s = Scheduler(BlockManager(4, 16), max_running=1, token_budget=64)
+    s = _sched(4, 16, 1, 64)
     a, b = _req("a", 4), _req("b", 4)
     s.add(a)
     s.add(b)

@@ -1,0 +1,200 @@
+"""KV residency: who holds which llama.cpp sequence and blocks, prefix reuse, parking, eviction.
+
+The scheduler decides *when* a request runs; this module decides *where its KV comes from*:
+
+  fresh      new sequence id, every prompt position computed
+  copy       new sequence id; llama_memory_seq_cp shares the donor's cells [0, n) (unified KV:
+             metadata only). Whole blocks below n are shared in the ledger (ref counts); the
+             block that straddles n is private to the newcomer, so a shared block is never
+             written:
+                 donor   [ B0 ][ B1 ][ B2 ··n····]
+                 new     [ B0 ][ B1 ][ P2 ··n····]   B0, B1 ref 2; P2 private
+  takeover   a parked sequence whose every resident token is a prefix of the prompt continues
+             as the new request's sequence (multi-turn chats; the only reuse that recurrent and
+             hybrid models allow, since their state cannot be copied or rolled back)
+
+A donor that is still prefilling the shared prefix makes the newcomer wait (`plan` returns
+None) instead of computing the prefix twice. Reuse always leaves at least the last prompt
+token to compute, since logits exist only for tokens in a batch.
+
+Parked sequences (finished requests whose KV is kept) are bounded by blocks and sequence ids,
+not by a count: when either runs short they are evicted, least recently used first. Evicting
+one frees only its private blocks; blocks a running request shares stay (ref counts), so a
+running request never loses a prefix it depends on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
+from ferrum.engine.prefix import Parked, ParkedLRU, PrefixIndex
+from ferrum.engine.request import Request
+
+
+class KvOps(Protocol):
+    """The llama.cpp memory operations the ledger mirrors (the runner implements them)."""
+
+    def clear_sequence(self, seq_id: int) -> None: ...
+
+    def copy_sequence(self, src: int, dst: int, length: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reuse:
+    donor: Request | Parked | None = None
+    length: int = 0
+    takeover: bool = False
+
+
+_FRESH = Reuse()
+
+
+class KVManager:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        kv: KvOps,
+        num_seq_ids: int,
+        prefix_cache: bool = True,
+        share_cells: bool = True,
+    ):
+        self.blocks = blocks
+        self.seq_ids = SeqIdPool(num_seq_ids)
+        self.kv = kv
+        self.prefix_cache = prefix_cache
+        self.share_cells = share_cells
+        self.index = PrefixIndex(blocks.block_size)
+        self.parked = ParkedLRU()
+        self.evictions = 0
+
+    # -- admission --------------------------------------------------------------------------
+
+    def plan(self, req: Request) -> Reuse | None:
+        """Where req's KV comes from; None: wait, a running donor is computing the prefix."""
+        if not self.prefix_cache:
+            return _FRESH
+        match = self.index.match(req.all_token_ids)
+        length = min(match.length, req.num_tokens - 1)
+        donor = match.owner
+        if donor is None or length < self.blocks.block_size:
+            return _FRESH
+        if isinstance(donor, Parked):
+            if length == len(donor.token_ids):
+                return Reuse(donor, length, takeover=True)
+            return Reuse(donor, length) if self.share_cells else _FRESH
+        if not self.share_cells:
+            return _FRESH
+        if donor.num_computed_tokens < length:
+            return None
+        return Reuse(donor, length)
+
+    def admit(self, req: Request, reuse: Reuse, keep_free: int = 0) -> bool:
+        """Gives req a sequence and blocks for all its tokens (+1), or changes nothing."""
+        bs = self.blocks.block_size
+        shared = 0 if reuse.donor is None else (reuse.length // bs)
+        if reuse.takeover:
+            shared = len(reuse.donor.page_table.blocks)  # type: ignore[union-attr]
+        need = max(0, blocks_for(req.num_tokens + 1, bs) - shared) + (1 if reuse.takeover else 0)
+        exclude = reuse.donor if isinstance(reuse.donor, Parked) else None
+        if not self._make_room(need + keep_free, exclude, need_seq=not reuse.takeover):
+            return False
+        if reuse.takeover:
+            self._take_over(req, reuse.donor)  # type: ignore[arg-type]
+        else:
+            req.seq_id = self.seq_ids.acquire()
+            if reuse.donor is not None:
+                self._copy_from(req, reuse.donor, reuse.length)
+        if not self.blocks.grow(req.page_table, req.num_tokens):
+            raise IntegrityError("admission made room but the ledger refused the blocks")
+        req.num_cached_tokens = req.num_computed_tokens = reuse.length
+        if self.prefix_cache:
+            self.index.add(req)
+        return True
+
+    def _take_over(self, req: Request, parked: Parked) -> None:
+        self.parked.remove(parked)
+        self.index.remove(parked)
+        req.seq_id = parked.seq_id
+        req.page_table = parked.page_table
+        last = len(parked.token_ids) // self.blocks.block_size
+        if len(parked.token_ids) % self.blocks.block_size and last < len(req.page_table.blocks):
+            self.blocks.copy_on_write(req.page_table, last)  # never write a shared block
+
+    def _copy_from(self, req: Request, donor: Request | Parked, length: int) -> None:
+        self.kv.copy_sequence(donor.seq_id, req.seq_id, length)  # type: ignore[arg-type]
+        req.page_table = self.blocks.fork(donor.page_table, length)
+        if isinstance(donor, Parked):
+            self.parked.touch(donor)
+
+    def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
+        while self.blocks.num_free < blocks or (need_seq and self.seq_ids.num_free == 0):
+            if not self.evict_one(exclude):
+                return False
+        return True
+
+    # -- growth, release --------------------------------------------------------------------
+
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Room for num_tokens positions, evicting parked sequences if needed."""
+        while not self.blocks.grow(req.page_table, num_tokens):
+            if not self.evict_one():
+                return False
+        return True
+
+    def on_tokens_appended(self, req: Request) -> None:
+        if self.prefix_cache:
+            self.index.extend(req)
+
+    def release(self, req: Request, park: bool) -> None:
+        """Ends req's hold on KV: its sequence is parked for reuse, or cleared and freed."""
+        if req in self.index:
+            self.index.remove(req)
+        if req.seq_id is None:
+            return
+        resident = req.num_computed_tokens
+        if park and self.prefix_cache and resident >= self.blocks.block_size:
+            self._park(req, resident)
+        else:
+            self.blocks.release(req.page_table)
+            self.kv.clear_sequence(req.seq_id)
+            self.seq_ids.release(req.seq_id)
+        req.seq_id = None
+
+    def _park(self, req: Request, resident: int) -> None:
+        table = req.page_table
+        keep = blocks_for(resident, self.blocks.block_size)
+        self.blocks.free(table.blocks[keep:])  # room reserved for positions never computed
+        del table.blocks[keep:]
+        parked = Parked(req.seq_id, req.all_token_ids[:resident], table)  # type: ignore[arg-type]
+        req.page_table = type(table)()
+        self.parked.add(parked)
+        self.index.add(parked)
+
+    def evict_one(self, exclude: Parked | None = None) -> bool:
+        victim = self.parked.oldest(exclude)
+        if victim is None:
+            return False
+        self.parked.remove(victim)
+        self.index.remove(victim)
+        self.blocks.release(victim.page_table)
+        self.kv.clear_sequence(victim.seq_id)
+        self.seq_ids.release(victim.seq_id)
+        self.evictions += 1
+        return True
+
+    def drop_parked(self) -> None:
+        while self.evict_one():
+            pass
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def check_integrity(self, running: list[Request]) -> None:
+        parked = list(self.parked)
+        self.blocks.check_integrity(
+            [r.page_table for r in running] + [p.page_table for p in parked]
+        )
+        self.seq_ids.check_integrity([r.seq_id for r in running] + [p.seq_id for p in parked])  # type: ignore[misc]
+        if self.prefix_cache and len(self.index) != len(running) + len(parked):
+            raise IntegrityError("prefix index out of step with running and parked sequences")

@@ -1,0 +1,147 @@
+"""Prefix index: which resident token sequence shares the longest prefix with a new prompt.
+
+Owners are llama.cpp sequences that hold (or are about to hold) KV for their tokens: running
+requests (indexed over their whole token list, so a newcomer can wait for a donor that is
+still prefilling) and parked sequences (finished requests whose KV was kept).
+
+Full blocks are keyed by a chained hash, so a lookup walks the prompt block by block; the match
+is then extended token by token inside the first unmatched block and checked against the
+owner's real tokens (a hash collision can never produce a wrong reuse):
+
+    prompt:   [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ...
+    owner:    [ b0 ][ b1 ][ b2 ][ b3'...          chain hash of b0..b2 found, b3 differs
+    match:    |<------ 3 blocks ---->|+k tokens   k < block_size, compared one by one
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ferrum.engine.kv import PageTable
+
+
+class Owner(Protocol):
+    @property
+    def token_ids(self) -> list[int]: ...
+
+
+@dataclass(eq=False)
+class Parked:
+    """A finished request's sequence kept resident: KV holds exactly `token_ids`."""
+
+    seq_id: int
+    token_ids: list[int]
+    page_table: PageTable = field(default_factory=PageTable)
+
+
+@dataclass(frozen=True)
+class Match:
+    owner: Owner | None
+    length: int
+
+
+_NO_MATCH = Match(None, 0)
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._owners_by_hash: dict[int, dict[int, Owner]] = {}
+        self._chains: dict[int, list[int]] = {}  # id(owner) → hashes of its indexed blocks
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def __contains__(self, owner: Owner) -> bool:
+        return id(owner) in self._chains
+
+    def add(self, owner: Owner) -> None:
+        self._chains[id(owner)] = []
+        self.extend(owner)
+
+    def extend(self, owner: Owner) -> None:
+        """Indexes the owner's blocks completed since the last call."""
+        chain = self._chains[id(owner)]
+        tokens, bs = owner.token_ids, self.block_size
+        h = chain[-1] if chain else 0
+        for i in range(len(chain), len(tokens) // bs):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            chain.append(h)
+            self._owners_by_hash.setdefault(h, {})[id(owner)] = owner
+
+    def remove(self, owner: Owner) -> None:
+        for h in self._chains.pop(id(owner), ()):
+            owners = self._owners_by_hash[h]
+            del owners[id(owner)]
+            if not owners:
+                del self._owners_by_hash[h]
+
+    def match(self, tokens: list[int], exclude: Owner | None = None) -> Match:
+        """The owner sharing the longest prefix with `tokens` (at least one full block)."""
+        bs = self.block_size
+        h, depth, candidates = 0, 0, None
+        for i in range(len(tokens) // bs):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            owners = self._owners_by_hash.get(h)
+            if not owners:
+                break
+            candidates, depth = owners, i + 1
+        if candidates is None:
+            return _NO_MATCH
+        best = _NO_MATCH
+        full = depth * bs
+        for owner in candidates.values():
+            if owner is exclude:
+                continue
+            own = owner.token_ids
+            if own[:full] != tokens[:full]:
+                continue  # hash collision
+            n = full + _common_prefix(own, tokens, full)
+            if n > best.length or (n == best.length and isinstance(owner, Parked)):
+                best = Match(owner, n)
+        return best
+
+
+def _common_prefix(a: list[int], b: list[int], start: int) -> int:
+    n = 0
+    for x, y in zip(itertools.islice(a, start, None), itertools.islice(b, start, None)):  # noqa: B905
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ParkedLRU:
+    """Parked sequences, least recently used first."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[int, Parked] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Parked]:
+        return iter(self._entries.values())
+
+    def add(self, p: Parked) -> None:
+        self._entries[id(p)] = p
+
+    def remove(self, p: Parked) -> None:
+        del self._entries[id(p)]
+
+    def touch(self, p: Parked) -> None:
+        self._entries.move_to_end(id(p))
+
+    def oldest(self, exclude: Parked | None = None) -> Parked | None:
+        for p in self._entries.values():
+            if p is not exclude:
+                return p
+        return None
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(p.page_table.blocks) for p in self._entries.values())

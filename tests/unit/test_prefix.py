@@ -1,0 +1,154 @@
+"""Prefix reuse on the fake runner: reused output == fresh output, one prefill per shared
+prefix, takeover for conversations, eviction under pressure, nothing copied for recurrent
+models, and the ledger intact throughout."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrum.engine.prefix import Parked, PrefixIndex
+from tests.factories import (
+    FakeRunner,
+    byte_tokenize,
+    fake_engine,
+    model_info,
+    run_to_completion,
+    sampling,
+)
+
+SYSTEM = "You are a careful assistant. Answer in one short line. " * 2  # 112 bytes
+
+
+def _run(engine, prompts: dict[str, str], max_tokens: int = 8) -> dict[str, dict]:
+    """Adds all prompts at once, steps to idle, returns content and final output per id."""
+    for rid, p in prompts.items():
+        engine.add_request(rid, byte_tokenize(p), sampling(max_tokens=max_tokens))
+    return run_to_completion(engine)
+
+
+def _fresh(prompt: str, max_tokens: int = 8) -> str:
+    return _run(fake_engine(prefix_cache=False), {"r": prompt}, max_tokens)["r"]["content"]
+
+
+def test_index_matches_longest_prefix_token_by_token():
+    idx = PrefixIndex(4)
+    a = Parked(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = Parked(1, [1, 2, 3, 4, 5, 6, 0, 0])
+    idx.add(a)
+    idx.add(b)
+    m = idx.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert (m.owner, m.length) == (a, 9)
+    m = idx.match([1, 2, 3, 4, 5, 6, 0, 1])
+    assert (m.owner, m.length) == (b, 7)
+    assert idx.match([1, 2, 3]).owner is None  # less than one block never matches
+    idx.remove(a)
+    assert idx.match([1, 2, 3, 4, 5, 6, 7, 8]).owner is b
+    idx.remove(b)
+    assert len(idx) == 0 and idx.match([1, 2, 3, 4]).owner is None
+
+
+def test_identical_prompt_reuses_all_but_the_last_token():
+    engine = fake_engine()
+    prompt = SYSTEM + "What is two plus two?"
+    first = _run(engine, {"a": prompt})["a"]
+    second = _run(engine, {"b": prompt})["b"]
+    assert first["final"].cached_tokens == 0
+    n_prompt = len(byte_tokenize(prompt))
+    assert second["final"].cached_tokens == n_prompt - 1  # last token re-decoded for logits
+    assert second["content"] == first["content"] == _fresh(prompt)
+
+
+def test_burst_behind_a_shared_prefix_prefills_it_once():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    computed = []
+    engine.observer.on_step = lambda s: computed.append(s.prompt_tokens_computed)
+    prompts = {f"q{i}": SYSTEM + f"Question number {i}?" for i in range(4)}
+    res = _run(engine, prompts)
+    for rid, p in prompts.items():
+        assert res[rid]["content"] == _fresh(p)
+    shared = len(byte_tokenize(SYSTEM + "Question number "))
+    total = sum(len(byte_tokenize(p)) for p in prompts.values())
+    assert sum(computed) <= total - 3 * (shared - 16)  # three newcomers skipped the prefix
+    assert len(runner.copies) == 3 and {src for src, _, _ in runner.copies} == {0}
+
+
+def test_next_turn_of_a_conversation_takes_over_its_parked_sequence():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    history = SYSTEM + "User: hi\nAssistant:"
+    turns = []
+    for turn in range(5):
+        out = _run(engine, {f"t{turn}": history}, max_tokens=6)[f"t{turn}"]
+        assert out["content"] == _fresh(history, 6)
+        turns.append(out["final"].cached_tokens)
+        history += out["content"] + f"\nUser: and {turn}?\nAssistant:"
+    assert turns[0] == 0 and all(c > 0 for c in turns[1:])
+    assert runner.copies == []  # every turn continued the previous turn's own sequence
+    assert len(engine.kv.parked) == 1
+
+
+def test_parked_sequences_are_evicted_lru_under_block_pressure():
+    runner = FakeRunner(info=model_info(n_ctx=256, n_batch=64, n_seq_max=8))
+    engine = fake_engine(runner)
+    for i in range(6):  # each ~60 positions: 256 cells cannot keep them all
+        _run(engine, {f"r{i}": f"{i} " * 26}, max_tokens=6)
+        engine.check_integrity()
+    assert engine.kv.evictions > 0
+    assert engine.kv.blocks.num_free + engine.kv.parked.num_blocks == engine.kv.blocks.num_blocks
+    latest = _run(engine, {"again": "5 " * 26}, max_tokens=6)["again"]
+    assert latest["final"].cached_tokens > 0  # the most recent one survived
+
+
+def test_recurrent_models_never_copy_state_but_continue_their_own():
+    runner = FakeRunner(info=model_info(is_recurrent=True))
+    engine = fake_engine(runner)
+    prompt = SYSTEM + "Tell me more."
+    a = _run(engine, {"a": prompt, "b": prompt})
+    assert a["a"]["final"].cached_tokens == a["b"]["final"].cached_tokens == 0
+    follow = prompt + a["a"]["content"] + " And then?"
+    b = _run(engine, {"c": follow})["c"]
+    assert runner.copies == []
+    assert b["final"].cached_tokens > 0 and b["content"] == _fresh(follow)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 5), st.integers(1, 12)
+        ),
+        max_size=50,
+    )
+)
+def test_random_shared_prefix_workloads_keep_the_ledger_and_the_outputs(plan):
+    engine = fake_engine(
+        FakeRunner(info=model_info(n_ctx=192, n_batch=48, n_seq_max=6)), block_size=8
+    )
+    bases = ["shared system prompt, version one. ", "another preamble that is shared. "]
+    expected: dict[str, str] = {}
+    contents: dict[str, str] = {}
+    aborted: set[str] = set()
+    for i, (op, a, b) in enumerate(plan):
+        if op == "add":
+            rid = f"r{i}"
+            prompt = bases[a % 2] * (1 + a % 3) + f"q{b}"
+            engine.add_request(rid, byte_tokenize(prompt), sampling(max_tokens=b))
+            expected[rid] = _fresh(prompt, b)
+        elif op == "abort" and expected:
+            rid = list(expected)[a % len(expected)]
+            if engine.abort(rid) is not None:
+                aborted.add(rid)
+        elif engine.has_work:
+            for out in engine.step():
+                contents[out.request_id] = contents.get(out.request_id, "") + out.content
+        engine.check_integrity()
+    for rid, r in run_to_completion(engine).items():
+        contents[rid] = contents.get(rid, "") + r["content"]
+    for rid, text in expected.items():
+        if rid not in aborted:
+            assert contents.get(rid, "") == text
+    engine.kv.drop_parked()
+    engine.check_integrity()
+    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
