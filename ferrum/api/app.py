@@ -6,6 +6,7 @@ validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 import uuid
@@ -28,6 +29,7 @@ from ferrum.api.protocol import (
 )
 from ferrum.api.responses import CompletionKind, collect, stream_sse
 from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.request import SamplingParams
 from ferrum.errors import AuthenticationError, FerrumError, InvalidRequest, NotFound
 from ferrum.metrics import CONTENT_TYPE, Metrics
 
@@ -208,6 +210,7 @@ async def _complete(
     prompt: list[int],
     kind: CompletionKind,
 ) -> Any:
+    """Submits n engine requests for one prompt (they share its prefill) and answers."""
     engine = state.engine
     max_tokens = body.requested_max_tokens()
     if max_tokens is None and state.default_max_tokens > 0:
@@ -215,19 +218,37 @@ async def _complete(
     params = body.sampling_params(engine.engine.clamp_max_tokens(len(prompt), max_tokens))
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     split_think = state.split_think and kind.chat
-    stream = engine.submit(request_id, prompt, params, split_think)
+    ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+    streams = [
+        engine.submit(rid, prompt, _choice_params(params, i), split_think)
+        for i, rid in enumerate(ids)
+    ]
+
+    def abort_all() -> None:  # a no-op for requests already finished
+        for rid in ids:
+            engine.abort(rid)
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for event in stream_sse(stream, kind, request_id, state.alias, include_usage):
+                async for event in stream_sse(
+                    streams, kind, request_id, state.alias, include_usage
+                ):
                     yield event
-            finally:  # client gone or stream done: abort is a no-op for finished requests
-                engine.abort(request_id)
+            finally:  # client gone or stream done
+                abort_all()
 
         return StreamingResponse(events(), media_type="text/event-stream")
     try:
-        return await collect(stream, kind, request_id, state.alias)
+        return await collect(streams, kind, request_id, state.alias)
     finally:
-        engine.abort(request_id)
+        abort_all()
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so a seeded request stays reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)

@@ -15,6 +15,7 @@ from ferrum.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_N = 8
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -60,7 +61,7 @@ class _SamplingBody(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     logprobs: Any = None
     ignore_eos: bool = False
 
@@ -80,8 +81,6 @@ class _SamplingBody(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def reject_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("n > 1 is not supported yet", param="n")
         if self.logprobs not in (None, False, 0):
             raise InvalidRequest("logprobs are not supported yet", param="logprobs")
 

@@ -6,6 +6,7 @@ functions (stream, collect) serves both.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -29,31 +30,48 @@ class CompletionKind:
     def object_chunk(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def delta_choice(self, content: str, reasoning: str, first: bool) -> dict[str, Any]:
+    def delta_choice(
+        self, index: int, content: str, reasoning: str, first: bool = False
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": content, "logprobs": None, "finish_reason": None}
+            return {"index": index, "text": content, "logprobs": None, "finish_reason": None}
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if content or first:
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def whole_choice(self, content: str, reasoning: str, finish_reason: str) -> dict[str, Any]:
+    def whole_choice(
+        self, index: int, content: str, reasoning: str, finish_reason: str
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            return {
+                "index": index,
+                "text": content,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """One prompt, n completions: the prompt counts once, completions add up."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
     return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": max(f.cached_tokens for f in finals)},
     }
 
 
@@ -61,61 +79,100 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _raise_if_failed(out: RequestOutput) -> None:
+def _failure(out: RequestOutput) -> EngineError | None:
     if out.finish_reason in ("error", "abort"):
-        raise EngineError(out.error or f"request ended: {out.finish_reason}")
+        return EngineError(out.error or f"request ended: {out.finish_reason}")
+    return None
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream:
+            queue.put_nowait((i, out))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    unfinished = len(streams)
+    try:
+        while unfinished:
+            i, out = await queue.get()
+            unfinished -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def collect(
-    stream: RequestStream, kind: CompletionKind, request_id: str, model: str
+    streams: list[RequestStream], kind: CompletionKind, request_id: str, model: str
 ) -> dict[str, Any]:
-    content: list[str] = []
-    reasoning: list[str] = []
-    last = None
-    async for out in stream:
-        content.append(out.content)
-        reasoning.append(out.reasoning)
-        last = out
-    if last is None:  # a stream always ends with a finished output; guard the contract
-        raise EngineError("the engine closed the request without a result")
-    _raise_if_failed(last)
+    content: list[list[str]] = [[] for _ in streams]
+    reasoning: list[list[str]] = [[] for _ in streams]
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in _merged(streams):
+        content[i].append(out.content)
+        reasoning[i].append(out.reasoning)
+        if out.finished:
+            if (err := _failure(out)) is not None:
+                raise err
+            finals[i] = out
+    if any(f is None for f in finals):  # each stream ends with a finished output: guard it
+        raise EngineError("the engine closed a request without a result")
+    done = [f for f in finals if f is not None]
+    choices = [
+        kind.whole_choice(i, "".join(content[i]), "".join(reasoning[i]), f.finish_reason or "")
+        for i, f in enumerate(done)
+    ]
     return {
         "id": request_id,
         "object": kind.object_whole,
         "created": int(time.time()),
         "model": model,
-        "choices": [kind.whole_choice("".join(content), "".join(reasoning), last.finish_reason)],
-        "usage": usage(last),
+        "choices": choices,
+        "usage": usage(done),
     }
 
 
 async def stream_sse(
-    stream: RequestStream,
+    streams: list[RequestStream],
     kind: CompletionKind,
     request_id: str,
     model: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE events: role chunk, deltas, the finish chunk (with usage), usage chunk, [DONE]."""
-    created = int(time.time())
-    base = {"id": request_id, "object": kind.object_chunk, "created": created, "model": model}
-    first = kind.chat
-    if first:
-        yield _sse({**base, "choices": [kind.delta_choice("", "", True)]})
-        first = False
-    async for out in stream:
-        if out.finished and out.finish_reason in ("error", "abort"):
-            err = EngineError(out.error or f"request ended: {out.finish_reason}")
+    """SSE events: role chunks, deltas, finish chunks (the last with usage), usage, [DONE]."""
+    base = {
+        "id": request_id,
+        "object": kind.object_chunk,
+        "created": int(time.time()),
+        "model": model,
+    }
+    if kind.chat:
+        for i in range(len(streams)):
+            yield _sse({**base, "choices": [kind.delta_choice(i, "", "", first=True)]})
+    finals: list[RequestOutput] = []
+    async for i, out in _merged(streams):
+        if out.finished and (err := _failure(out)) is not None:
             yield _sse(err.to_dict())
             break
         if out.content or out.reasoning:
-            yield _sse({**base, "choices": [kind.delta_choice(out.content, out.reasoning, first)]})
+            yield _sse({**base, "choices": [kind.delta_choice(i, out.content, out.reasoning)]})
         if out.finished:
-            choice = kind.delta_choice("", "", False)
+            finals.append(out)
+            choice = kind.delta_choice(i, "", "")
             if kind.chat:
                 choice["delta"] = {}
             choice["finish_reason"] = out.finish_reason
-            yield _sse({**base, "choices": [choice], "usage": usage(out)})
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage(out)})
+            chunk: dict[str, Any] = {**base, "choices": [choice]}
+            if len(finals) == len(streams):
+                chunk["usage"] = usage(finals)
+            yield _sse(chunk)
+    if include_usage and len(finals) == len(streams):
+        yield _sse({**base, "choices": [], "usage": usage(finals)})
     yield "data: [DONE]\n\n"

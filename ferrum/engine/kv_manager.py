@@ -78,7 +78,7 @@ class KVManager:
         match = self.index.match(req.all_token_ids)
         length = min(match.length, req.num_tokens - 1)
         donor = match.owner
-        if donor is None or length < self.blocks.block_size:
+        if donor is None or length <= 0:
             return _FRESH
         if isinstance(donor, Parked):
             if length == len(donor.token_ids):

@@ -62,3 +62,23 @@ def server(tmp_path_factory) -> Iterator[str]:
         yield url
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def server_no_cache(tmp_path_factory) -> Iterator[str]:
+    """The same server with prefix reuse off: the oracle for reuse == fresh prefill."""
+    log_path = str(tmp_path_factory.mktemp("server") / "ferrum-no-cache.log")
+    proc, url = start_server(
+        "--threads",
+        "2",
+        "--parallel",
+        "8",
+        "--ctx-size",
+        "4096",
+        "--no-prefix-cache",
+        log_path=log_path,
+    )
+    try:
+        yield url
+    finally:
+        stop_server(proc)

@@ -85,7 +85,7 @@ def test_completions_stream_and_whole_agree(client):
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"stop": [""]}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
@@ -182,3 +182,30 @@ def test_engine_fault_mid_request_is_an_error_not_an_empty_200():
         assert r.status_code == 200 and events[-1] == "[DONE]"
         assert events[-2]["error"]["code"] == "engine_error"
         assert c.post("/v1/chat/completions", json=_chat()).status_code == 200
+
+
+def test_n_choices_share_one_prompt(client):
+    r = client.post("/v1/chat/completions", json=_chat(n=3, temperature=0)).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    texts = {c["message"]["content"] for c in r["choices"]}
+    assert len(texts) == 1  # greedy: every choice says the same
+    assert r["usage"]["completion_tokens"] == 12
+    single = client.post("/v1/chat/completions", json=_chat()).json()
+    assert r["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]  # counted once
+    body = _chat(n=2, temperature=0, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        events = _events(resp)
+    finishes = [
+        e["choices"][0]["index"]
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["finish_reason"]
+    ]
+    assert sorted(finishes) == [0, 1]
+    for i in (0, 1):
+        text = "".join(
+            e["choices"][0]["delta"].get("content", "")
+            for e in events[:-1]
+            if e["choices"] and e["choices"][0]["index"] == i
+        )
+        assert text in texts
+    assert events[-2]["usage"]["completion_tokens"] == 8
