@@ -23,6 +23,8 @@ def _env_default(f: dataclasses.Field[Any]) -> Any:
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if f.type in ("int", int):
         return int(raw)
+    if f.type in ("float", float):
+        return float(raw)
     if str(f.type).startswith("tuple"):
         return tuple(k for k in raw.split(",") if k)
     return raw
@@ -42,7 +44,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(*meta["flags"], action="append", default=None, **kw)
             parser.set_defaults(**{f"_{f.name}_env": default})
         else:
-            typ = int if f.type in ("int", int) else str
+            typ = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(*meta["flags"], type=typ, default=default, **kw)
 
 
@@ -94,6 +96,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
         host=server_cfg.host,
         port=server_cfg.port,
         log_level=server_cfg.log_level,
+        timeout_graceful_shutdown=server_cfg.shutdown_grace,
         access_log=server_cfg.log_level == "debug",
     )
 

@@ -102,6 +102,24 @@ class ServerConfig:
         default=(),
         metadata=_flag("--api-key", help="required Bearer key (repeat or comma-separate)"),
     )
+    max_queue: int = field(
+        default=256,
+        metadata=_flag("--max-queue", help="most requests waiting beyond --parallel (then 429)"),
+    )
+    request_timeout: float = field(
+        default=0.0,
+        metadata=_flag("--request-timeout", help="seconds a request may take (0: no limit)"),
+    )
+    shutdown_grace: float = field(
+        default=10.0,
+        metadata=_flag(
+            "--shutdown-grace", help="seconds in-flight requests get to finish on SIGTERM"
+        ),
+    )
+    public_metrics: bool = field(
+        default=False,
+        metadata=_flag("--public-metrics", help="serve /metrics without the API key"),
+    )
     reasoning_inline: bool = field(
         default=False,
         metadata=_flag(

@@ -47,6 +47,24 @@ class AuthenticationError(FerrumError):
     code = "invalid_api_key"
 
 
+class RequestTooLarge(InvalidRequest):
+    code = "request_too_large"
+
+
+class TooManyRequests(FerrumError):
+    """The waiting queue is full: come back later (the response carries Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class RequestTimeout(FerrumError):
+    status = 408
+    type = "timeout_error"
+    code = "request_timeout"
+
+
 class NotFound(FerrumError):
     status = 404
     type = "invalid_request_error"

@@ -73,6 +73,11 @@ class Metrics(EngineObserver):
         self.decode_failures = Counter(
             "ferrum_decode_failures", "Requests failed by llama_decode errors", registry=r
         )
+        self.decode_retries = Counter(
+            "ferrum_decode_retries",
+            "Extra llama_decode calls after a batch found no KV slot",
+            registry=r,
+        )
         self.prefix_hits = Counter(
             "ferrum_prefix_cache_hits", "Requests that reused a resident prefix", registry=r
         )
@@ -106,6 +111,8 @@ class Metrics(EngineObserver):
             self.prompt_tokens.inc(stats.prompt_tokens_computed)
         if stats.preemptions:
             self.preemptions.inc(stats.preemptions)
+        if stats.decode_retries:
+            self.decode_retries.inc(stats.decode_retries)
         if stats.decode_failures:
             self.decode_failures.inc(stats.decode_failures)
         for t in stats.ttfts:

@@ -37,12 +37,14 @@ def build_server(
     )
     alias = server_cfg.alias or Path(model_path).stem
     state = ServerState(
-        engine=AsyncEngine(engine),
+        engine=AsyncEngine(engine, max_queue=server_cfg.max_queue),
         runner=runner,
         formatter=formatter,
         metrics=metrics,
         alias=alias,
         api_keys=server_cfg.api_key,
+        public_metrics=server_cfg.public_metrics,
+        request_timeout=server_cfg.request_timeout,
         split_think=not server_cfg.reasoning_inline,
         default_max_tokens=engine_cfg.n_predict,
     )

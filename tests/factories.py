@@ -10,6 +10,7 @@ or missing KV shows up as different output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -80,6 +81,7 @@ class FakeRunner:
     batch_sizes: list[int] = field(default_factory=list)
     cleared: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -114,6 +116,8 @@ class FakeRunner:
         if len({i.seq_id for i in items}) != len(items):
             raise AssertionError("a sequence appears twice in one batch")
         self.batch_sizes.append(n)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         result = StepResult(decode_calls=1)
         for idx, item in enumerate(items):
             if item.seq_id in self.fail_seqs:
@@ -167,8 +171,9 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, d
 
 def fake_app(runner: FakeRunner | None = None, **state: object):
     """The real FastAPI app over the fake runner (ChatML template, byte tokenizer)."""
-    from ferrum.api.app import ServerState, create_app
+    from ferrum.api.app import create_app
     from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
+    from ferrum.api.serving import ServerState
     from ferrum.engine.async_engine import AsyncEngine
     from ferrum.metrics import Metrics
 
@@ -176,7 +181,7 @@ def fake_app(runner: FakeRunner | None = None, **state: object):
     metrics = Metrics()
     engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)
     fields = {
-        "engine": AsyncEngine(engine),
+        "engine": AsyncEngine(engine, max_queue=int(state.pop("max_queue", 64))),
         "runner": runner,
         "formatter": ChatFormatter(BUILTIN_TEMPLATES["chatml"], "", "", True),
         "metrics": metrics,

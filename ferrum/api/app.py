@@ -6,51 +6,43 @@ validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from ferrum.api.responses import CompletionKind, collect, stream_sse
-from ferrum.engine.async_engine import AsyncEngine
-from ferrum.engine.request import SamplingParams
-from ferrum.errors import AuthenticationError, FerrumError, InvalidRequest, NotFound
-from ferrum.metrics import CONTENT_TYPE, Metrics
+from ferrum.api.responses import CompletionKind
+from ferrum.api.serving import ServerState, complete
+from ferrum.errors import (
+    AuthenticationError,
+    FerrumError,
+    InvalidRequest,
+    NotFound,
+    RequestTooLarge,
+    TooManyRequests,
+)
+from ferrum.metrics import CONTENT_TYPE
 
-_PUBLIC_PATHS = frozenset({"/health"})
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    runner: Any  # tokenizer access: tokenize / token_bytes / info
-    formatter: ChatFormatter
-    metrics: Metrics
-    alias: str
-    api_keys: tuple[str, ...] = ()
-    split_think: bool = True
-    default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
-    created: int = 0
+__all__ = ["ServerState", "create_app"]
 
 
 def _error_response(exc: FerrumError) -> JSONResponse:
-    return JSONResponse(exc.to_dict(), status_code=exc.status)
+    headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
+    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequest:
@@ -83,7 +75,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _check_api_key(state: ServerState, request: Request) -> None:
-    if not state.api_keys or request.url.path in _PUBLIC_PATHS:
+    path = request.url.path
+    if not state.api_keys or path == "/health" or (path == "/metrics" and state.public_metrics):
         return
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
@@ -93,6 +86,12 @@ def _check_api_key(state: ServerState, request: Request) -> None:
     )
     if not ok:
         raise AuthenticationError("invalid or missing API key")
+
+
+def _check_body_size(request: Request) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise RequestTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -108,9 +107,10 @@ def create_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
+    async def _gate(request: Request, call_next: Any) -> Response:
         try:
             _check_api_key(state, request)
+            _check_body_size(request)
         except FerrumError as exc:
             return _error_response(exc)
         return await call_next(request)
@@ -133,21 +133,21 @@ def _route(app: FastAPI, method: str, path: str) -> Any:
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "POST", "/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         body.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = state.formatter.tokenize(messages, state.runner.tokenize)
-        return await _complete(state, body, prompt, CompletionKind(chat=True))
+        return await complete(state, request, body, prompt, CompletionKind(chat=True))
 
     @_route(app, "POST", "/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         body.reject_unsupported()
         prompt_in = body.prompt_input()
         if isinstance(prompt_in, str):
             prompt = state.runner.tokenize(prompt_in, True, True)
         else:
             prompt = _check_token_ids(state, prompt_in, "prompt")
-        return await _complete(state, body, prompt, CompletionKind(chat=False))
+        return await complete(state, request, body, prompt, CompletionKind(chat=False))
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
@@ -202,53 +202,3 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "n_vocab": info.n_vocab,
         },
     }
-
-
-async def _complete(
-    state: ServerState,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompt: list[int],
-    kind: CompletionKind,
-) -> Any:
-    """Submits n engine requests for one prompt (they share its prefill) and answers."""
-    engine = state.engine
-    max_tokens = body.requested_max_tokens()
-    if max_tokens is None and state.default_max_tokens > 0:
-        max_tokens = state.default_max_tokens
-    params = body.sampling_params(engine.engine.clamp_max_tokens(len(prompt), max_tokens))
-    request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
-    split_think = state.split_think and kind.chat
-    ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
-    streams = [
-        engine.submit(rid, prompt, _choice_params(params, i), split_think)
-        for i, rid in enumerate(ids)
-    ]
-
-    def abort_all() -> None:  # a no-op for requests already finished
-        for rid in ids:
-            engine.abort(rid)
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for event in stream_sse(
-                    streams, kind, request_id, state.alias, include_usage
-                ):
-                    yield event
-            finally:  # client gone or stream done
-                abort_all()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-    try:
-        return await collect(streams, kind, request_id, state.alias)
-    finally:
-        abort_all()
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of n samples with seed + i, so a seeded request stays reproducible."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)

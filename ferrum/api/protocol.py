@@ -16,6 +16,8 @@ from ferrum.errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_N = 8
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -32,7 +34,7 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -64,6 +66,7 @@ class _SamplingBody(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     logprobs: Any = None
     ignore_eos: bool = False
+    timeout: Annotated[float, Field(gt=0)] | None = None  # extension: seconds for this request
 
     @field_validator("stop")
     @classmethod
@@ -104,7 +107,7 @@ class _SamplingBody(_Body):
 
 
 class ChatCompletionRequest(_SamplingBody):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     top_logprobs: Any = None
     response_format: dict[str, Any] | None = None

@@ -15,7 +15,7 @@ from typing import Any
 
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import RequestOutput
-from ferrum.errors import EngineError
+from ferrum.errors import EngineError, FerrumError
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ def usage(finals: list[RequestOutput]) -> dict[str, Any]:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(err: FerrumError) -> str:
+    """An OpenAI-shaped error as an SSE event: how a stream that already began reports one."""
+    return _sse(err.to_dict())
 
 
 def _failure(out: RequestOutput) -> EngineError | None:
@@ -159,7 +164,7 @@ async def stream_sse(
     finals: list[RequestOutput] = []
     async for i, out in _merged(streams):
         if out.finished and (err := _failure(out)) is not None:
-            yield _sse(err.to_dict())
+            yield error_event(err)
             break
         if out.content or out.reasoning:
             yield _sse({**base, "choices": [kind.delta_choice(i, out.content, out.reasoning)]})

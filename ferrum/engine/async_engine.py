@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.request import SamplingParams
-from ferrum.errors import ServiceUnavailable
+from ferrum.errors import ServiceUnavailable, TooManyRequests
 
 log = logging.getLogger("ferrum.engine")
 
@@ -67,8 +67,10 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_queue: int = 1 << 30):
         self.engine = engine
+        # Requests in flight beyond those that can run at once wait; past this, submit refuses.
+        self.capacity = engine.scheduler.max_running + max_queue
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,6 +92,15 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def check_capacity(self, n: int) -> None:
+        """Refuses (429) n more requests when the queue beyond --parallel is full."""
+        if not self.alive or self._stopping:
+            raise ServiceUnavailable("the engine is not running")
+        if len(self._streams) + n > self.capacity:
+            raise TooManyRequests(
+                f"{len(self._streams)} requests in flight and the queue is full; retry shortly"
+            )
 
     def submit(
         self,

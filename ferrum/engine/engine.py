@@ -131,6 +131,7 @@ class LLMEngine:
             tokens = req.all_token_ids[c.start : c.start + c.length]
             items.append(BatchItem(req.seq_id, tokens, c.start, req.sampler if c.samples else None))  # type: ignore[arg-type]
         result = self.runner.execute(items)
+        stats.decode_retries = max(0, result.decode_calls - 1)
         now = time.monotonic()
         for i, c in enumerate(sched.chunks):
             req = c.request

@@ -42,6 +42,7 @@ class StepStats:
     generated_tokens: int = 0
     preemptions: int = 0
     decode_failures: int = 0
+    decode_retries: int = 0  # extra llama_decode calls after "no KV slot" split a batch
     step_s: float = 0.0
     kv_usage: float = 0.0
     parked_sequences: int = 0

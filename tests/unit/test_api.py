@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -209,3 +210,54 @@ def test_n_choices_share_one_prompt(client):
         )
         assert text in texts
     assert events[-2]["usage"]["completion_tokens"] == 8
+
+
+def test_queue_full_is_a_429_with_retry_after():
+    with TestClient(fake_app(max_queue=0)) as c:  # 4 may run, none may wait
+        r = c.post("/v1/chat/completions", json=_chat(n=5))
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert c.post("/v1/chat/completions", json=_chat(n=4)).status_code == 200
+
+
+def test_limits_on_body_size_messages_and_parts(client):
+    big = {"content-length": str(64 * 1024 * 1024), "content-type": "application/json"}
+    r = client.post("/v1/chat/completions", content=b"{}", headers=big)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
+    many = [{"role": "user", "content": "x"}] * 5000
+    assert client.post("/v1/chat/completions", json=_chat(messages=many)).status_code == 400
+    parts = [{"type": "text", "text": "x"}] * 2000
+    msgs = [{"role": "user", "content": parts}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=msgs)).status_code == 400
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert client.post("/v1/chat/completions", json=_chat(messages=image)).status_code == 400
+    nan = b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    r = client.post(
+        "/v1/chat/completions", content=nan, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400
+
+
+def test_deadline_ends_the_request_and_frees_it():
+    runner = FakeRunner(step_delay_s=0.02)
+    with TestClient(fake_app(runner)) as c:
+        r = c.post("/v1/chat/completions", json=_chat(max_tokens=200, timeout=0.3))
+        assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+        with c.stream(
+            "POST", "/v1/chat/completions", json=_chat(max_tokens=200, timeout=0.3, stream=True)
+        ) as resp:
+            events = _events(resp)
+        assert events[-2]["error"]["code"] == "request_timeout" and events[-1] == "[DONE]"
+        for _ in range(50):
+            if c.get("/health").json()["active_requests"] == 0:
+                break
+            time.sleep(0.05)
+        assert c.get("/health").json()["active_requests"] == 0
+
+
+def test_metrics_can_be_public_while_the_api_needs_a_key():
+    with TestClient(fake_app(api_keys=("k",), public_metrics=True)) as c:
+        assert c.get("/metrics").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    with TestClient(fake_app(api_keys=("k",))) as c:
+        assert c.get("/metrics").status_code == 401

@@ -1,0 +1,131 @@
+"""One completion request from HTTP to engine and back: n choices, deadline, disconnects.
+
+Every way a request can end early frees its engine requests: a client that hangs up (stream
+or not) and a deadline that passes both abort them within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ferrum.api.chat_template import ChatFormatter
+from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
+from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.request import SamplingParams
+from ferrum.errors import RequestTimeout
+from ferrum.metrics import Metrics
+
+T = TypeVar("T")
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    runner: Any  # tokenizer access: tokenize / token_bytes / info
+    formatter: ChatFormatter
+    metrics: Metrics
+    alias: str
+    api_keys: tuple[str, ...] = ()
+    public_metrics: bool = False
+    split_think: bool = True
+    default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
+    request_timeout: float = 0.0  # --request-timeout; 0: none
+    created: int = 0
+
+
+def _deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:
+    limits = [t for t in (state.request_timeout, body.timeout or 0.0) if t > 0]
+    return min(limits) if limits else None
+
+
+async def complete(
+    state: ServerState,
+    http: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    kind: CompletionKind,
+) -> Any:
+    """Submits n engine requests for one prompt (they share its prefill) and answers."""
+    engine = state.engine
+    engine.check_capacity(body.n)
+    max_tokens = body.requested_max_tokens()
+    if max_tokens is None and state.default_max_tokens > 0:
+        max_tokens = state.default_max_tokens
+    params = body.sampling_params(engine.engine.clamp_max_tokens(len(prompt), max_tokens))
+    request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
+    split_think = state.split_think and kind.chat
+    ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+    streams = [
+        engine.submit(rid, prompt, _choice_params(params, i), split_think)
+        for i, rid in enumerate(ids)
+    ]
+
+    def abort_all() -> None:  # a no-op for requests already finished
+        for rid in ids:
+            engine.abort(rid)
+
+    deadline = _deadline(state, body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream_sse(streams, kind, request_id, state.alias, include_usage)
+        return StreamingResponse(
+            _guard_stream(events, deadline, abort_all), media_type="text/event-stream"
+        )
+    try:
+        return await _unless_gone(http, collect(streams, kind, request_id, state.alias), deadline)
+    finally:
+        abort_all()
+
+
+async def _guard_stream(
+    events: AsyncIterator[str], deadline: float | None, abort_all: Any
+) -> AsyncIterator[str]:
+    """The SSE stream, cut with an error event at the deadline; aborts on any exit.
+
+    Starlette cancels this generator when the client disconnects, which lands in `finally`.
+    """
+    try:
+        async with asyncio.timeout(deadline):
+            async for event in events:
+                yield event
+    except TimeoutError:
+        yield error_event(RequestTimeout(f"the request took longer than {deadline:g} s"))
+        yield "data: [DONE]\n\n"
+    finally:
+        abort_all()
+
+
+async def _unless_gone(http: Request, work: Awaitable[T], deadline: float | None) -> T:
+    """Awaits `work`, cancelling it if the client hangs up or the deadline passes."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    end = None if deadline is None else loop.time() + deadline
+    try:
+        while True:
+            wait = _DISCONNECT_POLL_S if end is None else min(_DISCONNECT_POLL_S, end - loop.time())
+            done, _ = await asyncio.wait({task}, timeout=max(wait, 0))
+            if done:
+                return task.result()
+            if end is not None and loop.time() >= end:
+                raise RequestTimeout(f"the request took longer than {deadline:g} s")
+            if await http.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        task.cancel()
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i, so a seeded request stays reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
