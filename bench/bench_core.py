@@ -14,20 +14,28 @@ Discipline: only one server runs at a time. Each measurement starts the server, 
 ``GET /health`` answers 200 (llama-server answers 503 while loading), warms it up with one
 request, measures, kills the server and waits until the port is free again. Arms are
 alternated within each round (ABBA order across rounds) and round 1 is a discarded warm-up.
-Every prompt is unique (random word + counter + per-run nonce), so no prompt cache helps
-either arm; prompt token counts come from each response's ``usage``.
+Every prompt is unique and starts with a random tag (then a random word and a counter), so
+no prompt cache helps either arm; prompt token counts come from each response's ``usage``.
 
 Context: ferrum's ``--ctx-size`` is a pool of KV cells shared by all sequences (unified KV),
 whereas llama-server by default splits ``-c`` into ``-c / -np`` cells per slot. llama-server
 is therefore started with ``--kv-unified`` so that both arms hold one 8192-cell pool that any
 single sequence may fill.
 
+Shared machines: llama.cpp's compute threads spin at barriers, so any other busy process
+slows a server far more than its CPU share. Before each server start the harness waits for
+an idle machine; during each measurement it counts CPU time used by other processes, and a
+measurement where that exceeds ``--max-foreign`` of the CPUs is flagged and re-run (``--retries``).
+
 Reported per metric: median and [min, max] over the kept rounds for each arm, the ratio
 first-arm / second-arm as the median of the per-round (paired) ratios with their [min, max],
 and a verdict: "win"/"loss" only when the two arms' [min, max] ranges do not overlap, else
-"inconclusive". Raw samples go to a JSON file (``--out``); a Markdown table goes to stdout.
+"inconclusive" (also when an arm has fewer than two kept rounds). Raw samples go to a JSON
+file (``--out``); a Markdown table goes to stdout.
 
-Run:  .venv/bin/python bench/bench_core.py [--rounds 4] [--arms ferrum,llama-server]
+Run:  bench/build_llama_server.sh   # once
+      .venv/bin/python bench/bench_core.py [--rounds 4] [--arms ferrum,llama-server]
+Extra server flags must be attached with "=": ``--llama-server-args=--swa-full``.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -54,40 +63,12 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 FERRUM_BIN = REPO / ".venv" / "bin" / "ferrum"
 ARM_KINDS = ("ferrum", "llama-server")
-WORDS = (
-    "lighthouse",
-    "badger",
-    "comet",
-    "violin",
-    "glacier",
-    "teapot",
-    "falcon",
-    "orchard",
-    "lantern",
-    "canyon",
-    "robot",
-    "meadow",
-    "harbor",
-    "dragon",
-    "pebble",
-    "volcano",
-    "compass",
-    "otter",
-    "castle",
-    "thunder",
-    "marble",
-    "cactus",
-    "river",
-    "wizard",
-    "saturn",
-    "biscuit",
-    "forest",
-    "kettle",
-    "pirate",
-    "umbrella",
-    "zeppelin",
-    "quartz",
-)
+_WORD_TEXT = """
+    lighthouse badger comet violin glacier teapot falcon orchard lantern canyon robot meadow
+    harbor dragon pebble volcano compass otter castle thunder marble cactus river wizard
+    saturn biscuit forest kettle pirate umbrella zeppelin quartz
+"""
+WORDS = tuple(_WORD_TEXT.split())
 METRICS = (
     ("single_decode_tps", "single-request decode tok/s"),
     ("single_aggregate_tps", "single-request aggregate tok/s (c=1)"),
@@ -108,14 +89,16 @@ class Arm:
 class Prompts:
     """Unique prompts for the whole run, so no prompt cache can help any arm."""
 
-    nonce: str = field(default_factory=lambda: f"{random.SystemRandom().randrange(10**6):06d}")
     counter: int = 0
-    rng: random.Random = field(default_factory=random.Random)
+    rng: random.Random = field(default_factory=random.SystemRandom)
 
     def next(self) -> str:
         self.counter += 1
+        # A random tag first: prompts diverge within their first tokens, so a prefix cache
+        # (ferrum's, or llama-server's per-slot one) can reuse hardly more than the BOS token.
+        tag = f"{self.rng.getrandbits(32):08x}"
         word = self.rng.choice(WORDS)
-        return f"Write a story about {word} number {self.nonce}-{self.counter}:"
+        return f"[{tag}] Write a story about {word} number {self.counter}:"
 
 
 # ---------------------------------------------------------------- configuration
@@ -141,55 +124,62 @@ def default_model() -> str:
     return str(gguf_pkg.assemble())
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--arms",
-        default="ferrum,llama-server",
-        help="comma-separated arm kinds (ferrum, llama-server); a kind may repeat",
-    )
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    arms_help = "comma-separated arm kinds (ferrum, llama-server); a kind may repeat"
+    p.add_argument("--arms", default="ferrum,llama-server", help=arms_help)
     p.add_argument("--rounds", type=int, default=4, help="rounds incl. the discarded warm-up")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in the parallel batch")
     p.add_argument("--threads", type=int, default=2, help="server CPU threads")
     p.add_argument("--ctx-size", type=int, default=8192, help="total KV cells per server")
-    p.add_argument(
-        "--single-reps",
-        type=int,
-        default=3,
-        help="sequential single requests per round (the round value is their median)",
-    )
-    p.add_argument(
-        "--batch-reps",
-        type=int,
-        default=2,
-        help="parallel batches per round (the round value is their median)",
-    )
+    p.add_argument("--single-reps", type=int, default=3, help="single requests per round")
+    p.add_argument("--batch-reps", type=int, default=2, help="parallel batches per round")
+    p.add_argument("--out", default=str(RESULTS / "core.json"), help="raw samples (JSON)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-server", default=None, help="llama-server binary")
     p.add_argument("--ferrum", default=str(FERRUM_BIN), help="ferrum executable")
+    p.add_argument("--ferrum-args", default="", help="extra `ferrum serve` args, one string")
+    p.add_argument("--llama-server-args", default="", help="extra llama-server args, one string")
     p.add_argument("--model", default=None, help="GGUF model (default: Gemma 3 270M Q4_K_M)")
     p.add_argument("--port", type=int, default=18093, help="port the servers listen on")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+
+
+def add_hygiene_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quiet-threshold",
         type=float,
         default=0.15,
-        help="before each server start, wait until machine CPU use is at most this share",
+        help="before each server start, wait until machine CPU use <= this share",
     )
     p.add_argument("--quiet-wait", type=float, default=300.0, help="most seconds to wait so")
     p.add_argument(
         "--max-foreign",
         type=float,
         default=0.05,
-        help="flag a measurement when other processes used more than this share of the CPUs",
+        help="flag a measurement if other processes used > this share of the CPUs",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="re-runs of a flagged measurement before it is kept anyway",
     )
     p.add_argument(
         "--drop-contaminated",
         action="store_true",
-        help="leave flagged measurements out of the summary (they stay in the JSON)",
+        help="leave flagged measurements out of the summary (kept in the JSON)",
     )
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--out", default=str(RESULTS / "core.json"), help="raw samples (JSON)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
+    add_server_args(p)
+    add_hygiene_args(p)
     args = p.parse_args(argv)
     args.llama_server = args.llama_server or default_llama_server()
     args.model = args.model or default_model()
@@ -214,43 +204,14 @@ def server_command(arm: Arm, args: argparse.Namespace) -> list[str]:
     port, threads, ctx = str(args.port), str(args.threads), str(args.ctx_size)
     parallel = str(args.concurrency)
     if arm.kind == "ferrum":
-        return [
-            args.ferrum,
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            port,
-            "--threads",
-            threads,
-            "--parallel",
-            parallel,
-            "--ctx-size",
-            ctx,
-            "--log-level",
-            "warning",
-        ]
-    # --kv-unified: one shared pool like ferrum's, instead of ctx/np cells per slot.
+        cmd = [args.ferrum, "serve", "--model", args.model, "--port", port]
+        cmd += ["--threads", threads, "--parallel", parallel, "--ctx-size", ctx]
+        return [*cmd, "--log-level", "warning", *shlex.split(args.ferrum_args)]
+    cmd = [args.llama_server, "-m", args.model, "--port", port, "-t", threads, "-tb", threads]
+    # --kv-unified: one shared cell pool like ferrum's, instead of ctx/np cells per slot.
+    cmd += ["-np", parallel, "-c", ctx, "--kv-unified", "--no-webui"]
     # --log-verbosity 2: warnings and errors only (no per-request info lines).
-    return [
-        args.llama_server,
-        "-m",
-        args.model,
-        "--port",
-        port,
-        "-t",
-        threads,
-        "-tb",
-        threads,
-        "-np",
-        parallel,
-        "-c",
-        ctx,
-        "--kv-unified",
-        "--no-webui",
-        "--log-verbosity",
-        "2",
-    ]
+    return [*cmd, "--log-verbosity", "2", *shlex.split(args.llama_server_args)]
 
 
 # ---------------------------------------------------------------- server lifecycle
@@ -336,10 +297,17 @@ def cpu_jiffies() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def proc_jiffies(pid: int) -> int:
-    """utime + stime of a process, all its threads included."""
-    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(after_name[11]) + int(after_name[12])
+def group_jiffies(pgid: int) -> int:
+    """utime + stime of the live processes (all threads) in process group ``pgid``."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid:  # fields from "state" on: state ppid pgrp ... utime stime
+            total += int(fields[11]) + int(fields[12])
+    return total
 
 
 def cpu_snapshot(pid: int) -> dict:
@@ -348,7 +316,7 @@ def cpu_snapshot(pid: int) -> dict:
     return {
         "busy": busy,
         "total": total,
-        "server": proc_jiffies(pid),
+        "server": group_jiffies(pid),
         "client_s": me.user + me.system,
         "t": time.monotonic(),
     }
@@ -590,6 +558,8 @@ def spread(values: list[float]) -> dict:
 
 def verdict(a: dict, b: dict) -> str:
     """Higher is better; a decision only when the [min, max] ranges are disjoint."""
+    if min(a["n"], b["n"]) < 2:
+        return "inconclusive (n<2)"  # a one-sample "range" is a point: any gap would decide
     if a["min"] > b["max"]:
         return "win"
     if a["max"] < b["min"]:
@@ -618,7 +588,11 @@ def summarize(records: list[dict], arms: list[Arm], drop_contaminated: bool) -> 
             paired = [first[r] / second[r] for r in sorted(first) if r in second]
             if paired:
                 entry["ratio"] = spread(paired)
-            entry["verdict"] = verdict(entry[arms[0].label], entry[arms[1].label])
+            entry["verdict"] = (
+                "n/a (derived)"  # a higher ratio may only mean a slower single request
+                if key == "scaling"
+                else verdict(entry[arms[0].label], entry[arms[1].label])
+            )
         summary[key] = entry
     return summary
 
@@ -654,7 +628,9 @@ def setup_note(args: argparse.Namespace, arms: list[Arm]) -> str:
         f"Context: both arms hold one unified {args.ctx_size}-cell KV pool shared by "
         f"{args.concurrency} sequences (ferrum `--ctx-size {args.ctx_size} --parallel "
         f"{args.concurrency}`; llama-server `-c {args.ctx_size} -np {args.concurrency} "
-        f"--kv-unified`), so any one sequence may use up to {args.ctx_size} tokens.\n"
+        f"--kv-unified`), so any one sequence may use up to {args.ctx_size} tokens. Otherwise "
+        f"each server keeps its defaults (e.g. ferrum's context has a full-size SWA cache, "
+        f"llama-server's not unless `--llama-server-args=--swa-full`).\n"
         f"Cells: median [min, max] over kept rounds; ratio: median [min, max] of per-round "
         f"paired ratios; verdict win/loss only when the ranges do not overlap."
     )
@@ -691,11 +667,20 @@ def run_rounds(arms: list[Arm], args: argparse.Namespace) -> list[dict]:
     for round_no in range(1, args.rounds + 1):
         # ABBA: the arm that goes first alternates, so slow drift hits both arms alike.
         order = arms if round_no % 2 else arms[::-1]
-        for arm in order:
-            record = run_arm(arm, round_no, prompts, args)
-            progress(record)
-            records.append(record)
+        records += [run_measurement(arm, round_no, prompts, args) for arm in order]
     return records
+
+
+def run_measurement(arm: Arm, round_no: int, prompts: Prompts, args: argparse.Namespace) -> dict:
+    """Run one arm; re-run it (at most --retries times) when other processes disturbed it."""
+    discarded: list[dict] = []
+    while True:
+        record = run_arm(arm, round_no, prompts, args)
+        progress(record)
+        if not record.get("contaminated") or len(discarded) >= args.retries:
+            record["discarded_attempts"] = discarded
+            return record
+        discarded.append(record)
 
 
 def write_json(
