@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
+
+import uvicorn
 
 from ferrum.config import EngineConfig, ServerConfig
 from ferrum.errors import FerrumError
@@ -84,21 +89,35 @@ def default_model_path() -> str:
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
-    import uvicorn
-
     from ferrum.server import build_server
 
     model_path = engine_cfg.model or default_model_path()
     app, summary = build_server(engine_cfg, server_cfg, model_path)
     log.info("%s", summary)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=server_cfg.host,
         port=server_cfg.port,
         log_level=server_cfg.log_level,
-        timeout_graceful_shutdown=server_cfg.shutdown_grace,
         access_log=server_cfg.log_level == "debug",
+        timeout_graceful_shutdown=server_cfg.shutdown_grace,
     )
+    _GracefulServer(config).run()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, minus its re-raising of SIGTERM/SIGINT after the graceful shutdown
+    (which makes the process die with -15): a server stopped on purpose exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> None:

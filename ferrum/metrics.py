@@ -144,7 +144,8 @@ class Metrics(EngineObserver):
         """The gauges as of the last engine step, for /health."""
         last = self._last
         return {
-            "kv_cache_usage_ratio": round(last.kv_usage, 4),
+            "kv_cache_usage_ratio": round(last.kv_usage, 6),
+            "kv_blocks_total": last.kv_blocks_total,
             "queue_depth": last.queue_depth,
             "active_requests": last.active_requests,
             "prefix_cache": {

@@ -94,6 +94,29 @@ def _check_body_size(request: Request) -> None:
         raise RequestTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
 
 
+class _Gate:
+    """API key and body size, checked before routing.
+
+    A plain ASGI middleware: FastAPI's `@app.middleware("http")` wraps `receive`, which hides
+    client disconnects from handlers and adds a hop to every streamed chunk.
+    """
+
+    def __init__(self, app: Any, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            try:
+                _check_api_key(self.state, request)
+                _check_body_size(request)
+            except FerrumError as exc:
+                await _error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -106,14 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
     state.created = int(time.time())
     _install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next: Any) -> Response:
-        try:
-            _check_api_key(state, request)
-            _check_body_size(request)
-        except FerrumError as exc:
-            return _error_response(exc)
-        return await call_next(request)
+    app.add_middleware(_Gate, state=state)
 
     _add_routes(app, state)
     return app

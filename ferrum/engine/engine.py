@@ -209,6 +209,7 @@ class LLMEngine:
         stats = stats or StepStats()
         sched = self.scheduler
         stats.kv_usage = sched.blocks.usage
+        stats.kv_blocks_total = sched.blocks.num_blocks
         stats.parked_sequences = len(self.kv.parked)
         stats.parked_blocks = self.kv.parked.num_blocks
         stats.evictions_total = self.kv.evictions

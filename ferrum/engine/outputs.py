@@ -45,6 +45,7 @@ class StepStats:
     decode_retries: int = 0  # extra llama_decode calls after "no KV slot" split a batch
     step_s: float = 0.0
     kv_usage: float = 0.0
+    kv_blocks_total: int = 0
     parked_sequences: int = 0
     parked_blocks: int = 0
     evictions_total: int = 0

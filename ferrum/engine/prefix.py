@@ -144,4 +144,5 @@ class ParkedLRU:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(p.page_table.blocks) for p in self._entries.values())
+        """Distinct blocks held by parked sequences (they often share their prefix blocks)."""
+        return len({b for p in self._entries.values() for b in p.page_table.blocks})

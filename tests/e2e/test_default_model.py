@@ -42,7 +42,10 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish[0].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
 

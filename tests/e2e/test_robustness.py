@@ -1,0 +1,72 @@
+"""A real server under hang-ups, SIGTERM and a short soak (the long soak: scripts/soak.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+
+import httpx
+
+from scripts import soak
+from tests.e2e.conftest import start_server
+
+
+def _idle(url: str) -> dict:
+    for _ in range(100):
+        h = httpx.get(f"{url}/health").json()
+        if h["active_requests"] == 0:
+            return h
+        time.sleep(0.05)
+    return h
+
+
+def test_hanging_up_mid_stream_frees_the_request(server):
+    body = {
+        "prompt": "Tell me a long story:",
+        "max_tokens": 400,
+        "stream": True,
+        "extra": 1,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # leaving the block closes the connection
+    h = _idle(server)
+    assert h["active_requests"] == 0 and h["queue_depth"] == 0
+    assert soak._held_blocks(h) == 0
+
+
+def test_hanging_up_on_a_whole_request_frees_it(server):
+    body = {"prompt": "Tell me a long story:", "max_tokens": 400, "ignore_eos": True}
+    with contextlib.suppress(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=0.5)
+    h = _idle(server)
+    assert h["active_requests"] == 0 and soak._held_blocks(h) == 0
+
+
+def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
+    proc, url = start_server(
+        "--threads", "2", "--shutdown-grace", "20", log_path=str(tmp_path / "ferrum.log")
+    )
+    body = {"prompt": "Count to fifty:", "max_tokens": 60, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]"
+    finish = json.loads(events[-2])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
+
+
+def test_short_soak_leaves_the_server_whole():
+    report_code = soak.main(
+        ["--minutes", "0.5", "--workers", "4", "--max-rss-growth", "0.2", "--max-ttft-drift", "4"]
+    )
+    assert report_code == 0
