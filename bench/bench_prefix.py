@@ -148,27 +148,30 @@ async def stream_completion_text(
     }
 
 
-async def measure(base: str, rng: random.Random) -> dict:
+async def measure(base: str, rng: random.Random, workloads: set[str]) -> dict:
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+    out: dict = {"raw": {}}
     async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        prefix = shared_prefix(rng)
-        cold = await burst(client, model, prefix, "cold")
-        warm = await burst(client, model, prefix, "warm")
-        turns = await multiturn_ttft(client, model, rng)
-        tags = [f"[{rng.getrandbits(32):08x}] Write a story about {w}:" for w in range(8)]
-        t0 = time.perf_counter()
-        unrelated = await asyncio.gather(*(stream_completion(client, model, p, 64) for p in tags))
-        wall = time.perf_counter() - t0
-    later = [t["ttft_s"] for t in turns if t["turn"] > 1]
-    return {
-        "burst_cold_ttft_p50": statistics.median(s["ttft_s"] for s in cold),
-        "burst_warm_ttft_p50": statistics.median(s["ttft_s"] for s in warm),
-        "burst_prompt_tokens": cold[0]["prompt_tokens"],
-        "multiturn_ttft_mean_2_5": statistics.fmean(later),
-        "unrelated_tps": sum(s["completion_tokens"] for s in unrelated) / wall,
-        "raw": {"cold": cold, "warm": warm, "turns": turns, "unrelated": unrelated},
-    }
+        if "burst" in workloads:
+            prefix = shared_prefix(rng)
+            cold = out["raw"]["cold"] = await burst(client, model, prefix, "cold")
+            warm = out["raw"]["warm"] = await burst(client, model, prefix, "warm")
+            out["burst_cold_ttft_p50"] = statistics.median(s["ttft_s"] for s in cold)
+            out["burst_warm_ttft_p50"] = statistics.median(s["ttft_s"] for s in warm)
+            out["burst_prompt_tokens"] = cold[0]["prompt_tokens"]
+        if "multiturn" in workloads:
+            turns = out["raw"]["turns"] = await multiturn_ttft(client, model, rng)
+            later = [t["ttft_s"] for t in turns if t["turn"] > 1]
+            out["multiturn_ttft_mean_2_5"] = statistics.fmean(later)
+        if "unrelated" in workloads:
+            tags = [f"[{rng.getrandbits(32):08x}] Write a story about {w}:" for w in range(8)]
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*(stream_completion(client, model, p, 64) for p in tags))
+            wall = time.perf_counter() - t0
+            out["raw"]["unrelated"] = runs
+            out["unrelated_tps"] = sum(s["completion_tokens"] for s in runs) / wall
+    return out
 
 
 def run_arm(arm: str, round_no: int, args: argparse.Namespace) -> dict:
@@ -178,7 +181,7 @@ def run_arm(arm: str, round_no: int, args: argparse.Namespace) -> dict:
     try:
         wait_healthy(proc, f"http://127.0.0.1:{args.port}", 180, log)
         rng = random.Random(f"{args.seed}-{round_no}")  # same text for every arm in a round
-        data = asyncio.run(measure(f"http://127.0.0.1:{args.port}", rng))
+        data = asyncio.run(measure(f"http://127.0.0.1:{args.port}", rng, args.workloads))
     finally:
         stop_server(proc, args.port)
     data.update(arm=arm, round=round_no, machine_quiet=quiet)
@@ -200,7 +203,9 @@ def summarize(records: list[dict], arms: list[str]) -> str:
         "|---" * (len(arms) + 2) + "|",
     ]
     for key, label, higher_better in METRICS:
-        per = {a: {r["round"]: r[key] for r in kept if r["arm"] == a} for a in arms}
+        per = {a: {r["round"]: r[key] for r in kept if r["arm"] == a and key in r} for a in arms}
+        if not any(per.values()):
+            continue
         cells = [_fmt(spread(list(v.values()))) if v else "n/a" for v in per.values()]
         ratios = []
         for other in arms[1:]:
@@ -231,8 +236,15 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--llama-server", default=default_llama_server())
     p.add_argument("--out", default=str(RESULTS / "prefix.json"))
+    p.add_argument(
+        "--workloads",
+        default="burst,multiturn,unrelated",
+        help="any of burst, multiturn, "
+        "unrelated; run in that order on each server (later ones see what earlier ones left)",
+    )
     args = p.parse_args()
     args.model = args.model or default_model()
+    args.workloads = {w.strip() for w in args.workloads.split(",") if w.strip()}
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if arms[0] != "ferrum" or any(a not in ARMS for a in arms):
         raise SystemExit(f"--arms: ferrum first, then any of {ARMS}")
@@ -242,13 +254,15 @@ def main() -> int:
         for arm in order:
             rec = run_arm(arm, round_no, args)
             records.append(rec)
-            print(
-                f"round {round_no} {arm}: " + ", ".join(f"{k}={rec[k]:.3f}" for k, _, _ in METRICS),
-                file=sys.stderr,
-                flush=True,
-            )
+            done = ", ".join(f"{k}={rec[k]:.3f}" for k, _, _ in METRICS if k in rec)
+            print(f"round {round_no} {arm}: {done}", file=sys.stderr, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "records": records}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {"args": {**vars(args), "workloads": sorted(args.workloads)}, "records": records},
+            indent=1,
+        )
+    )
     print(summarize(records, arms))
     return 0
 
