@@ -24,7 +24,12 @@ class Metrics(EngineObserver):
         self._last = StepStats()
         # Plain copies of three counters for /health (prometheus_client has no public getter).
         self._prefix_totals = {"hits": 0, "misses": 0, "saved_tokens": 0}
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._add_request_metrics(self.registry)
+        self._add_engine_metrics(self.registry)
+        self._add_prefix_metrics(self.registry)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "ferrum_requests", "Finished requests", ["finish_reason"], registry=r
         )
@@ -52,6 +57,8 @@ class Metrics(EngineObserver):
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+
+    def _add_engine_metrics(self, r: CollectorRegistry) -> None:
         self.step_tokens = Histogram(
             "ferrum_step_tokens",
             "Tokens decoded per llama_decode step (batching at work)",
@@ -78,6 +85,8 @@ class Metrics(EngineObserver):
             "Extra llama_decode calls after a batch found no KV slot",
             registry=r,
         )
+
+    def _add_prefix_metrics(self, r: CollectorRegistry) -> None:
         self.prefix_hits = Counter(
             "ferrum_prefix_cache_hits", "Requests that reused a resident prefix", registry=r
         )
