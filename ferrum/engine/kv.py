@@ -34,9 +34,6 @@ class PageTable:
 
     blocks: list[int] = field(default_factory=list)
 
-    def capacity(self, block_size: int) -> int:
-        return len(self.blocks) * block_size
-
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)

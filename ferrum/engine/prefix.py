@@ -120,6 +120,7 @@ class ParkedLRU:
 
     def __init__(self) -> None:
         self._entries: OrderedDict[int, Parked] = OrderedDict()
+        self._num_blocks: int | None = 0  # None: recount (entries changed)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,9 +130,11 @@ class ParkedLRU:
 
     def add(self, p: Parked) -> None:
         self._entries[id(p)] = p
+        self._num_blocks = None
 
     def remove(self, p: Parked) -> None:
         del self._entries[id(p)]
+        self._num_blocks = None
 
     def touch(self, p: Parked) -> None:
         self._entries.move_to_end(id(p))
@@ -144,5 +147,11 @@ class ParkedLRU:
 
     @property
     def num_blocks(self) -> int:
-        """Distinct blocks held by parked sequences (they often share their prefix blocks)."""
-        return len({b for p in self._entries.values() for b in p.page_table.blocks})
+        """Distinct blocks held by parked sequences (they often share their prefix blocks).
+
+        Read every engine step for the gauges, so counted again only after a change; a parked
+        table never changes while it is parked.
+        """
+        if self._num_blocks is None:
+            self._num_blocks = len({b for p in self._entries.values() for b in p.page_table.blocks})
+        return self._num_blocks

@@ -74,7 +74,6 @@ class Request:
     sampler: Any = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_preemptions: int = 0
     # Prompt positions whose KV was reused from another sequence instead of computed.
     num_cached_tokens: int = 0
 

@@ -159,7 +159,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
-        req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
