@@ -1,0 +1,240 @@
+"""The engine as a state machine: random traffic, hang-ups and faults never break its books.
+
+Hypothesis drives `LLMEngine` through `AsyncEngine`, the way the server does, with the engine
+thread replaced by explicit pumps so every interleaving is reproducible. Rules: submit (prompts
+that repeat, share prefixes with or extend earlier ones; n choices as forks), abort a waiting
+request, hang up on a stream that already got tokens, fail the next decode of a running
+sequence, pump. After every rule the KV ledger is whole and no request has output after its
+finish; at the end every request has ended and only parked sequences hold KV.
+
+Oracle: the fake model's next token is a function of everything resident in the sequence, so
+a request that ends by length must have exactly the tokens its prompt alone would produce;
+stale, shared-wrong or lost KV (prefix reuse, takeover, preemption, cleared ids) shows up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ferrum.engine.async_engine import AsyncEngine, RequestStream
+from ferrum.engine.outputs import RequestOutput
+from ferrum.errors import TooManyRequests
+from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
+
+ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
+KINDS = ["fresh", "same", "extend", "branch", "turn"]
+
+
+class _PumpedAsyncEngine(AsyncEngine):
+    """AsyncEngine whose engine thread is `pump()`: one pass of its loop, on the caller's thread.
+
+    Commands, dropped outputs of aborted requests and stream bookkeeping are AsyncEngine's own;
+    only the thread and the event loop hop are gone.
+    """
+
+    alive = True  # no thread to ask
+
+    def pump(self) -> list[RequestOutput]:
+        outputs = self._drain_commands(block=False)
+        if self.engine.has_work:
+            outputs.extend(self.engine.step())
+        self._dispatch(outputs)
+        return outputs
+
+    @property
+    def idle(self) -> bool:
+        return not self.engine.has_work and self._commands.empty()
+
+
+@dataclass
+class _Client:
+    """One engine request as its HTTP client sees it."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stream: RequestStream
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    hung_up: bool = False
+
+    def read(self) -> None:
+        """What the stream holds now; nothing may follow its finished output."""
+        q = self.stream._queue  # the SSE generator's view, read without an event loop
+        while not q.empty():
+            out = q.get_nowait()
+            assert not self.hung_up, f"{self.request_id}: output after the client hung up"
+            assert self.finish_reason is None, f"{self.request_id}: output after its finish"
+            self.tokens += out.token_ids
+            if out.finished:
+                self.finish_reason = out.finish_reason
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(n):
+        history.append(default_next_token(history))
+    return history[len(prompt) :]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        # 16 blocks of 8 positions for 3 running + 3 parked sequences: admission waits,
+        # parked sequences get evicted and growing requests get preempted.
+        self.runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        self.engine = fake_engine(self.runner, block_size=8)
+        self.front = _PumpedAsyncEngine(self.engine, max_queue=8)
+        self.clients: dict[str, _Client] = {}
+        # Engine-side news per request, before AsyncEngine drops what hung-up clients miss.
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.histories: list[list[int]] = []  # every prompt so far
+        self.turns: list[list[int]] = []  # prompt + output of requests finished by length
+        self.ids = count()
+        self.rejected = 0
+
+    # -- drawing ----------------------------------------------------------------------------
+
+    def _draw_prompt(self, data: st.DataObject) -> list[int]:
+        tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=30), label="tail")
+        kind = data.draw(st.sampled_from(KINDS), label="kind")
+        if kind == "turn" and self.turns:  # a chat's next turn, often still parked
+            prompt = data.draw(st.sampled_from(self.turns[-3:]), label="conversation") + tail
+        elif kind in ("fresh", "turn") or not self.histories:
+            prompt = [BOS, *tail]
+        else:
+            earlier = data.draw(st.sampled_from(self.histories), label="earlier")
+            if kind == "same":
+                prompt = list(earlier)
+            elif kind == "extend":
+                prompt = earlier + tail
+            else:  # the same beginning, then something else
+                cut = data.draw(st.integers(1, len(earlier)), label="cut")
+                prompt = earlier[:cut] + tail
+        return prompt[: self.engine.max_positions * 3 // 4] or [BOS]
+
+    def _pick(self, data: st.DataObject, ids: list[str]) -> _Client:
+        return self.clients[data.draw(st.sampled_from(sorted(ids)), label="request")]
+
+    def _open(self) -> list[_Client]:
+        return [c for c in self.clients.values() if c.finish_reason is None and not c.hung_up]
+
+    def _waiting_ids(self) -> list[str]:
+        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        return [c.request_id for c in self._open() if c.request_id in waiting]
+
+    def _streaming_ids(self) -> list[str]:
+        return [c.request_id for c in self._open() if c.tokens]
+
+    # -- rules ------------------------------------------------------------------------------
+
+    @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 48))
+    def submit(self, data: st.DataObject, n: int, max_tokens: int) -> None:
+        prompt = self._draw_prompt(data)
+        try:
+            self.front.check_capacity(n)
+        except TooManyRequests:
+            self.rejected += 1
+            return
+        max_tokens = self.engine.clamp_max_tokens(len(prompt), max_tokens)
+        base = f"r{next(self.ids)}"
+        for i in range(n):  # n choices: one prompt, n requests that share its prefill
+            rid = base if n == 1 else f"{base}-{i}"
+            stream = self.front.submit(rid, prompt, sampling(max_tokens=max_tokens), True)
+            self.clients[rid] = _Client(rid, prompt, max_tokens, stream)
+        self.histories.append(prompt)
+
+    @precondition(lambda self: self._waiting_ids())
+    @rule(data=st.data())
+    def abort_waiting(self, data: st.DataObject) -> None:
+        client = self._pick(data, self._waiting_ids())
+        self.front.abort(client.request_id)
+        client.hung_up = True
+
+    @precondition(lambda self: self._streaming_ids())
+    @rule(data=st.data())
+    def hang_up_mid_stream(self, data: st.DataObject) -> None:
+        client = self._pick(data, self._streaming_ids())
+        self.front.abort(client.request_id)
+        client.hung_up = True
+
+    @precondition(lambda self: self.engine.scheduler.running)
+    @rule(data=st.data())
+    def fail_next_decode(self, data: st.DataObject) -> None:
+        running = sorted(r.seq_id for r in self.engine.scheduler.running)
+        self.runner.fail_seqs.add(data.draw(st.sampled_from(running), label="seq"))
+
+    @rule(times=st.integers(1, 12))
+    def pump(self, times: int) -> None:
+        for _ in range(times):
+            self._pump_once()
+
+    def _pump_once(self) -> None:
+        for out in self.front.pump():
+            outs = self.outputs.setdefault(out.request_id, [])
+            outs.append(out)
+            if out.finish_reason == "length":
+                tokens = [t for o in outs for t in o.token_ids]
+                self.turns.append(self.clients[out.request_id].prompt + tokens)
+        for client in self.clients.values():
+            client.read()
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def ledger_is_whole(self) -> None:
+        self.engine.check_integrity()
+
+    @invariant()
+    def one_finish_and_nothing_after(self) -> None:
+        for rid, outs in self.outputs.items():
+            finished = [i for i, o in enumerate(outs) if o.finished]
+            assert finished in ([], [len(outs) - 1]), f"{rid}: finishes at {finished}"
+
+    @invariant()
+    def finished_output_is_what_the_prompt_alone_gives(self) -> None:
+        for rid, outs in self.outputs.items():
+            if not outs[-1].finished or outs[-1].finish_reason in ("abort", "error"):
+                continue
+            c = self.clients[rid]
+            tokens = [t for o in outs for t in o.token_ids]
+            assert outs[-1].finish_reason == "length"  # the fake model never stops by itself
+            assert tokens == expected_tokens(c.prompt, c.max_tokens), rid
+            if not c.hung_up:
+                assert c.tokens == tokens and c.finish_reason == "length", rid
+
+    def teardown(self) -> None:
+        self.runner.fail_seqs.clear()
+        for _ in range(2_000):
+            if self.front.idle:
+                break
+            self._pump_once()
+        assert self.front.idle, "the engine did not drain"
+        self.ledger_is_whole()
+        self.finished_output_is_what_the_prompt_alone_gives()
+        for rid, client in self.clients.items():
+            assert self.outputs[rid][-1].finished, f"{rid} never ended"
+            assert client.hung_up or client.finish_reason is not None, f"{rid}: no finish seen"
+        assert not self.front._streams, "streams left behind"
+        kv = self.engine.kv
+        used = kv.blocks.num_blocks - kv.blocks.num_free
+        assert used == kv.parked.num_blocks, "blocks held outside parked sequences"
+        kv.drop_parked()
+        self.engine.check_integrity()
+        assert kv.blocks.num_free == kv.blocks.num_blocks
+        assert kv.seq_ids.num_free == kv.seq_ids.size
+        assert all(s.closed for s in self.runner.samplers)
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestEngineStateMachine = EngineMachine.TestCase
