@@ -99,7 +99,13 @@ class KVManager:
         need = max(0, blocks_for(req.num_tokens + 1, bs) - shared) + (1 if reuse.takeover else 0)
         exclude = reuse.donor if isinstance(reuse.donor, Parked) else None
         if not self._make_room(need + keep_free, exclude, need_seq=not reuse.takeover):
-            return False
+            # A parked donor so large that req can never fit beside it (e.g. a sequence that ran
+            # to the end of the context) would block req, and the queue behind it, forever:
+            # give up the reuse, so the donor can be evicted like any other parked sequence.
+            # A donor that merely waits for running requests to finish is kept.
+            if exclude is None or need + len(exclude.page_table.blocks) <= self.blocks.num_blocks:
+                return False
+            return self.admit(req, _FRESH, keep_free)
         if reuse.takeover:
             self._take_over(req, reuse.donor)  # type: ignore[arg-type]
         else:

@@ -174,3 +174,19 @@ def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
     engine.check_integrity()
     assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
     assert engine.kv.seq_ids.num_free == 6
+
+
+def test_a_parked_sequence_holding_every_block_never_blocks_admission():
+    # Found by the API fuzzer: a request that ran to the end of the context parks a sequence
+    # holding every block. The same prompt again matched it as a donor that admission would not
+    # evict, so it waited forever, and every request behind it too.
+    engine = fake_engine(FakeRunner(info=model_info(n_ctx=64)), block_size=8)
+    prompt = byte_tokenize("a prompt of two blocks")
+    whole_context = engine.clamp_max_tokens(len(prompt), None)
+    contents = []
+    for rid in ("first", "again"):
+        engine.add_request(rid, prompt, sampling(max_tokens=whole_context))
+        res = run_to_completion(engine, max_steps=500)
+        assert res[rid]["final"].finish_reason == "length"
+        contents.append(res[rid]["content"])
+    assert contents[0] == contents[1]
