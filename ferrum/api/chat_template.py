@@ -1,53 +1,133 @@
 """Chat templates: render messages with the model's Jinja template (sandboxed), then tokenize
-so that special tokens are parsed in the template's own text but never inside user content.
+so that special tokens are parsed in the template's own text but never inside client strings
+(message content, reasoning, tool results).
 
     rendered:  <bos><start_of_turn>user\\n  Hi <end_of_turn>  ...  <start_of_turn>model\\n
                ╰─── template: specials ──╯╰content╯╰──── template: specials ────────────╯
                parse_special=True          False       parse_special=True
 
+The client strings are located by rendering twice, the second time with a placeholder for
+each string: the placeholders mark exactly where each one landed, wherever the template put it
+(a tools section in the system turn can hold any word of the conversation).
+
 A model without a template (the default Gemma 3 270M base model) gets its family's known
-format; `--chat-template` picks a built-in by name or reads a Jinja file.
+format; `--chat-template` picks a built-in by name or reads a Jinja file. Templates receive
+`tools` and tool turns as HF's apply_chat_template gives them; one that ignores them gets them
+written into plain messages in its family's tool-call format (tool_calls.py).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ferrum.api.tool_calls import ToolFormat, detect_format
 from ferrum.errors import InvalidRequest
 
-# Written for ferrum from each family's documented turn format.
+# Written for ferrum from each family's documented turn format. With `tools`, each also
+# teaches and replays its family's tool-call format (ferrum/api/tool_calls.py): chatml the
+# Hermes/Qwen tags, llama3 Llama 3.1 JSON calls and `ipython` results, gemma ferrum's fenced
+# ```tool_call convention. (Under trim_blocks a newline right after a block tag vanishes,
+# hence the {{ '\n' }}.)
+_CALL_ARGS = "{% set a = c.function.arguments %}{{ a if a is string else a | tojson }}"
 BUILTIN_TEMPLATES = {
     "gemma": (
-        "{{ bos_token }}{% set ns = namespace(system='') %}"
+        "{{ bos_token }}{% set ns = namespace(system='', told=not tools) %}"
         "{% for m in messages %}"
         "{% if m.role in ['system', 'developer'] %}"
         "{% set ns.system = ns.system + (m.content | trim) + '\\n\\n' %}"
+        "{% elif m.role == 'assistant' %}"
+        "<start_of_turn>model\n{{ m.content | trim }}"
+        "{% for c in m.tool_calls or [] %}"
+        "{% if m.content | trim or not loop.first %}{{ '\\n' }}{% endif %}"
+        '```tool_call\n{"name": {{ c.function.name | tojson }}, "arguments": '
+        + _CALL_ARGS
+        + "}\n```"
+        "{% endfor %}"
+        "<end_of_turn>\n"
         "{% else %}"
-        "<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}\n"
-        "{% if m.role != 'assistant' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
-        "{{ m.content | trim }}<end_of_turn>\n"
+        "{% if m.role != 'tool' or loop.first or loop.previtem.role != 'tool' %}"
+        "<start_of_turn>user\n{{ ns.system }}{% set ns.system = '' %}"
+        "{% if not ns.told %}{% set ns.told = true %}"
+        "You can call the functions below, given as JSON schemas:\n"
+        "{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}"
+        "To call a function, answer with a fenced block like this, one block per call:\n"
+        '```tool_call\n{"name": "function_name", "arguments": {"argument": "value"}}\n```\n'
+        "Function results come back in ```tool_output blocks.\n\n"
+        "{% endif %}"
+        "{% else %}{{ '\\n' }}{% endif %}"
+        "{% if m.role == 'tool' %}```tool_output\n{{ m.content | trim }}\n```"
+        "{% else %}{{ m.content | trim }}{% endif %}"
+        "{% if m.role != 'tool' or loop.last or loop.nextitem.role != 'tool' %}"
+        "<end_of_turn>\n"
+        "{% endif %}"
         "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
     ),
     "chatml": (
-        "{% for m in messages %}"
-        "<|im_start|>{{ 'system' if m.role == 'developer' else m.role }}\n"
-        "{{ m.content }}<|im_end|>\n"
+        "{% set ns = namespace(first=0) %}"
+        "{% if tools %}"
+        "<|im_start|>system\n"
+        "{% if messages[0].role in ['system', 'developer'] %}"
+        "{{ messages[0].content }}\n\n{% set ns.first = 1 %}"
+        "{% endif %}"
+        "# Tools\n\nYou may call one or more of the functions whose signatures are listed "
+        "in <tools></tools> tags:\n<tools>"
+        "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+        "{{ '\\n' }}</tools>\n\nFor each call, answer with a JSON object giving the "
+        "function name and its arguments, inside <tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "{% endif %}"
+        "{% for m in messages[ns.first:] %}"
+        "{% if m.role == 'tool' %}"
+        "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+        "{{ '\\n' }}<tool_response>\n{{ m.content }}\n</tool_response>"
+        "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
+        "{% else %}"
+        "<|im_start|>{{ 'system' if m.role == 'developer' else m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}"
+        "{% if m.content or not loop.first %}{{ '\\n' }}{% endif %}"
+        '<tool_call>\n{"name": {{ c.function.name | tojson }}, "arguments": '
+        + _CALL_ARGS
+        + "}\n</tool_call>"
+        "{% endfor %}"
+        "<|im_end|>\n"
+        "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
     "llama3": (
-        "{{ bos_token }}"
-        "{% for m in messages %}"
-        "<|start_header_id|>{{ 'system' if m.role == 'developer' else m.role }}"
-        "<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>"
+        "{{ bos_token }}{% set ns = namespace(first=0) %}"
+        "{% if tools %}"
+        "<|start_header_id|>system<|end_header_id|>\n\n"
+        "{% if messages[0].role in ['system', 'developer'] %}"
+        "{{ messages[0].content | trim }}\n\n{% set ns.first = 1 %}"
+        "{% endif %}"
+        "You have access to the functions below. To call one, respond with only a JSON object "
+        'in the format {"name": function name, "parameters": dictionary of argument name and '
+        "its value}, one line per call. Do not use variables.\n\n"
+        "{% for t in tools %}{{ '\\n\\n' if not loop.first else '' }}"
+        "{{ t | tojson(indent=4) }}{% endfor %}"
+        "<|eot_id|>"
+        "{% endif %}"
+        "{% for m in messages[ns.first:] %}"
+        "<|start_header_id|>"
+        "{{ 'ipython' if m.role == 'tool' else 'system' if m.role == 'developer' else m.role }}"
+        "<|end_header_id|>\n\n{{ m.content | trim }}"
+        "{% for c in m.tool_calls or [] %}"
+        "{% if m.content | trim or not loop.first %}{{ '\\n' }}{% endif %}"
+        '{"name": {{ c.function.name | tojson }}, "parameters": ' + _CALL_ARGS + "}"
+        "{% endfor %}"
+        "<|eot_id|>"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
         "{% endif %}"
@@ -83,42 +163,220 @@ def resolve_template(choice: str, model_template: str | None, architecture: str)
 
 
 Tokenize = Callable[[str, bool, bool], list[int]]  # (text, add_special, parse_special)
+Mark = Callable[[str], str]
+
+# Stands in for one client string while the template lays out the prompt (private-use
+# characters, so no tokenizer or template gives them meaning).
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
 
 
 @dataclass(frozen=True)
 class ChatFormatter:
+    """Renders OpenAI chat messages (dicts, as pydantic's model_dump gives them) with a Jinja
+    chat template and tokenizes the result.
+
+    Messages may carry `tool_calls` (arguments given to the template as a mapping, as HF
+    templates expect), `tool_call_id`, and `reasoning_content` (or `reasoning`). `tools` are
+    OpenAI tool dicts. A template that never reads `tools` gets them as instructions in the
+    system message, and one that never mentions `tool_calls` gets the history's tool turns
+    written as plain text, both in `tool_format`, the format of the template's family."""
+
     template_text: str
     bos_text: str
     eos_text: str
     add_bos: bool
+    tool_format: ToolFormat = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
-        object.__setattr__(self, "_template", env.from_string(self.template_text))
+        env.filters["tojson"] = _tojson
+        ast = env.parse(self.template_text)
+        object.__setattr__(self, "_template", env.from_string(ast))
+        object.__setattr__(self, "_reads_tools", "tools" in meta.find_undeclared_variables(ast))
+        object.__setattr__(self, "_renders_tool_turns", "tool_calls" in self.template_text)
+        object.__setattr__(self, "tool_format", detect_format(self.template_text))
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self._render(messages, tools, _same)
+
+    def tokenize(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tokenize: Tokenize,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        rendered = self.render(messages, tools)
+        tokens: list[int] = []
+        if self.add_bos and not (self.bos_text and rendered.startswith(self.bos_text)):
+            tokens = tokenize("", True, False)  # just the BOS the model expects
+        for text, is_content in self._segments(messages, tools, rendered):
+            tokens += tokenize(text, False, not is_content)
+        return tokens
+
+    def _render(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, mark: Mark
+    ) -> str:
+        prepared = [_template_message(m, mark) for m in messages]
+        if not self._renders_tool_turns:  # type: ignore[attr-defined]
+            prepared = _tool_turns_as_text(prepared, self.tool_format)
+        if tools and not self._reads_tools:  # type: ignore[attr-defined]
+            prepared = _with_instructions(prepared, self.tool_format.instructions(tools))
         try:
             return self._template.render(  # type: ignore[attr-defined]
-                messages=list(messages),
+                messages=prepared,
+                tools=tools or None,
                 add_generation_prompt=True,
                 bos_token=self.bos_text,
                 eos_token=self.eos_text,
             )
         except InvalidRequest:
             raise
-        except TemplateError as exc:
+        except Exception as exc:  # templates fail on unexpected messages in any way Python can
             raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
 
-    def tokenize(self, messages: Sequence[dict[str, str]], tokenize: Tokenize) -> list[int]:
-        rendered = self.render(messages)
-        tokens: list[int] = []
-        if self.add_bos and not (self.bos_text and rendered.startswith(self.bos_text)):
-            tokens = tokenize("", True, False)  # just the BOS the model expects
-        for text, is_content in split_content(rendered, [m["content"] for m in messages]):
-            tokens += tokenize(text, False, not is_content)
-        return tokens
+    def _segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        rendered: str,
+    ) -> list[tuple[str, bool]]:
+        """Client strings (contents, reasoning, tool results) located in the rendered prompt:
+        exactly, by rendering again with a placeholder for each; by search when the template
+        treats placeholders differently from the strings (e.g. inspects the content)."""
+        strings: list[str] = []
+
+        def mark(text: str) -> str:
+            if not text.strip():
+                return text
+            strings.append(text)
+            return f"\ue000{len(strings) - 1}\ue001"
+
+        try:
+            layout = self._render(messages, tools, mark)
+        except InvalidRequest:
+            layout = None
+        exact = _align(rendered, layout, strings) if layout is not None else None
+        return exact if exact is not None else split_content(rendered, strings)
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # HF's tojson (what GGUF templates are written against); Jinja's own HTML-escapes < > &.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+
+
+def _template_message(message: Mapping[str, Any], mark: Mark) -> dict[str, Any]:
+    # Absent, not None: templates test `'tool_calls' in message` or `message.name is defined`.
+    out = {k: v for k, v in message.items() if v is not None and v != []}
+    out["content"] = mark(_text(message.get("content")))
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out["reasoning_content"] = mark(reasoning)
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_template_call(c) for c in message["tool_calls"]]
+    return out
+
+
+def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
+    return {**call, "type": call.get("type", "function"), "function": function}
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _tool_turns_as_text(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
+    """Tool turns for a template that knows nothing of tools: calls are written into the
+    assistant's content, results (consecutive ones together) become a user turn."""
+    out: list[dict[str, Any]] = []
+    previous_role = ""
+    for m in messages:
+        if m["role"] == "tool":
+            result = fmt.render_result(m["content"])
+            if previous_role == "tool":
+                out[-1]["content"] += "\n" + result
+            else:
+                out.append({"role": "user", "content": result})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [
+                (c["function"].get("name", ""), _arguments_text(c["function"].get("arguments")))
+                for c in m["tool_calls"]
+            ]
+            rest = {k: v for k, v in m.items() if k != "tool_calls"}
+            content = f"{m['content']}\n{fmt.render_calls(calls)}".lstrip("\n")
+            out.append({**rest, "content": content})
+        else:
+            out.append(m)
+        previous_role = m["role"]
+    return out
+
+
+def _with_instructions(messages: list[dict[str, Any]], instructions: str) -> list[dict[str, Any]]:
+    """The tool instructions joined to the leading system message, or as one."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]["content"]
+        joined = f"{first}\n\n{instructions}" if first else instructions
+        return [{**messages[0], "content": joined}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def _align(rendered: str, layout: str, strings: list[str]) -> list[tuple[str, bool]] | None:
+    """Segments of `rendered` read off `layout` (the same render with placeholders), or None
+    when the two differ beyond the strings themselves (trimming is allowed for)."""
+    parts = _PLACEHOLDER.split(layout)
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for j in range(0, len(parts) - 1, 2):
+        literal, index, after = parts[j], int(parts[j + 1]), parts[j + 2]
+        if index >= len(strings) or not rendered.startswith(literal, pos):
+            return None
+        pos += len(literal)
+        s = strings[index]
+        for variant in (s, s.strip(), s.lstrip(), s.rstrip()):
+            if rendered.startswith(variant, pos) and rendered.startswith(after, pos + len(variant)):
+                break
+        else:
+            return None
+        segments += [(literal, False), (variant, True)]
+        pos += len(variant)
+    if rendered[pos:] != parts[-1]:
+        return None
+    segments.append((parts[-1], False))
+    return [seg for seg in segments if seg[0]]
 
 
 def split_content(rendered: str, contents: Sequence[str]) -> list[tuple[str, bool]]:
