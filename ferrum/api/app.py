@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrum.api.protocol import (
@@ -38,6 +39,27 @@ from ferrum.metrics import CONTENT_TYPE
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 __all__ = ["ServerState", "create_app"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response (`FerrumError.to_dict()`), as the OpenAPI schema documents it."""
+
+    error: ErrorDetail
+
+
+# The schema documents errors as they really leave: OpenAI-shaped, a bad body is a 400. Without
+# this FastAPI documents a 422 validation body that this API never sends.
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "OpenAI-shaped client error"},
+    "5XX": {"model": ErrorBody, "description": "OpenAI-shaped server error"},
+}
 
 
 def _error_response(exc: FerrumError) -> JSONResponse:
@@ -139,7 +161,7 @@ def _route(app: FastAPI, method: str, path: str) -> Any:
     """Registers a handler under `path` and, for /v1 routes, also without the prefix."""
 
     def register(fn: Any) -> Any:
-        app.add_api_route(path, fn, methods=[method])
+        app.add_api_route(path, fn, methods=[method], responses=_ERROR_RESPONSES)
         if path.startswith("/v1/"):
             app.add_api_route(path[3:], fn, methods=[method], include_in_schema=False)
         return fn
