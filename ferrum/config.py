@@ -76,6 +76,15 @@ class EngineConfig:
         default=0,
         metadata=_flag("--gpu-layers", "-ngl", help="layers offloaded to the GPU (CUDA builds)"),
     )
+    inject_faults: float = field(
+        default=0.0,
+        metadata=_flag(
+            "--inject-faults",
+            help="testing aid, never for production: the probability that a decode of several "
+            "sequences reports llama.cpp's 'no KV slot' instead of running, which the split "
+            "retry must absorb (counted in ferrum_faults_injected_total)",
+        ),
+    )
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads > 0 else physical_cores()

@@ -85,6 +85,11 @@ class Metrics(EngineObserver):
             "Extra llama_decode calls after a batch found no KV slot",
             registry=r,
         )
+        self.faults_injected = Counter(
+            "ferrum_faults_injected",
+            "'No KV slot' answers faked by --inject-faults (a testing aid)",
+            registry=r,
+        )
 
     def _add_prefix_metrics(self, r: CollectorRegistry) -> None:
         self.prefix_hits = Counter(
@@ -124,6 +129,8 @@ class Metrics(EngineObserver):
             self.decode_retries.inc(stats.decode_retries)
         if stats.decode_failures:
             self.decode_failures.inc(stats.decode_failures)
+        if stats.faults_injected:
+            self.faults_injected.inc(stats.faults_injected)
         for t in stats.ttfts:
             self.ttft.observe(t)
         for t in stats.inter_token_latencies:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
+from ferrum.engine.batch import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.request import SamplingParams
 
@@ -92,6 +92,17 @@ class FakeRunner:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def check_grammar(self, grammar: str) -> None:
+        """The fake cannot enforce grammars; it only refuses an empty one."""
+        if not grammar.strip():
+            raise ValueError("empty grammar")
+
+    @staticmethod
+    def json_schema_grammar(schema: dict) -> str:
+        from ferrum.engine.sampler import json_schema_grammar
+
+        return json_schema_grammar(schema)
+
     def new_sampler(self, params: SamplingParams) -> FakeSampler:
         s = FakeSampler(params)
         self.samplers.append(s)
@@ -133,7 +144,12 @@ class FakeRunner:
             if item.sampler is not None:
                 if item.sampler.closed:
                     raise AssertionError("sampling with a closed sampler")
-                result.sampled[idx] = self.next_token(cells)
+                token = result.sampled[idx] = self.next_token(cells)
+                k = item.sampler.params.logprobs
+                if k is not None:
+                    # A made-up distribution: the sampled token first, then the next ids.
+                    top = tuple(((token + j) % N_VOCAB, -0.5 - j) for j in range(k))
+                    result.logprobs[idx] = TokenLogprobs(token, -0.5, top)
         return result
 
 

@@ -26,6 +26,7 @@ from ferrum.api.protocol import (
 )
 from ferrum.api.responses import CompletionKind
 from ferrum.api.serving import ServerState, complete
+from ferrum.api.structured import response_grammar
 from ferrum.errors import (
     AuthenticationError,
     FerrumError,
@@ -175,7 +176,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = state.formatter.tokenize(messages, state.runner.tokenize)
-        return await complete(state, request, body, prompt, CompletionKind(chat=True))
+        grammar = response_grammar(body.response_format, state.runner)
+        kind = CompletionKind(chat=True, token_bytes=state.runner.token_bytes)
+        return await complete(state, request, body, prompt, kind, grammar)
 
     @_route(app, "POST", "/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -185,7 +188,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             prompt = state.runner.tokenize(prompt_in, True, True)
         else:
             prompt = _check_token_ids(state, prompt_in, "prompt")
-        return await complete(state, request, body, prompt, CompletionKind(chat=False))
+        kind = CompletionKind(chat=False, token_bytes=state.runner.token_bytes)
+        return await complete(state, request, body, prompt, kind)
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:

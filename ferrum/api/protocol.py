@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import InvalidRequest
@@ -18,9 +18,16 @@ MAX_STOP_LENGTH = 256
 MAX_N = 8
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+]
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class _Body(BaseModel):
@@ -49,6 +56,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        return self
+
+
 class _SamplingBody(_Body):
     model: str = ""
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -64,9 +90,12 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    logprobs: Any = None
+    logit_bias: LogitBias | None = None
     ignore_eos: bool = False
     timeout: Annotated[float, Field(gt=0)] | None = None  # extension: seconds for this request
+    # Extensions (vLLM's names): tokens that end the output, and a floor on its length.
+    stop_token_ids: StopTokenIds | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("stop")
     @classmethod
@@ -84,13 +113,35 @@ class _SamplingBody(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def reject_unsupported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+        pass
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the sampled token's and k alternatives."""
+        return None
+
+    def _logit_bias(self, n_vocab: int) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if key.strip().lstrip("-").isdigit() else -1
+            if not 0 <= token < n_vocab:
+                raise InvalidRequest(
+                    f"logit_bias keys must be token ids in [0, {n_vocab}); got {key!r}",
+                    param="logit_bias",
+                )
+            pairs.append((token, bias))
+        return tuple(pairs)
+
+    def sampling_params(
+        self, max_tokens: int, n_vocab: int, grammar: str | None = None
+    ) -> SamplingParams:
+        stop_ids = tuple(self.stop_token_ids or ())
+        if any(t >= n_vocab for t in stop_ids):
+            raise InvalidRequest(
+                f"stop_token_ids must be token ids below {n_vocab}", param="stop_token_ids"
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -103,14 +154,20 @@ class _SamplingBody(_Body):
             repetition_penalty=self.repetition_penalty,
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
+            stop_token_ids=stop_ids,
+            min_tokens=min(self.min_tokens, max_tokens),
+            logit_bias=self._logit_bias(n_vocab),
+            logprobs=self.num_logprobs(),
+            grammar=grammar,
         )
 
 
 class ChatCompletionRequest(_SamplingBody):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    top_logprobs: Any = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -118,15 +175,15 @@ class ChatCompletionRequest(_SamplingBody):
         # max_completion_tokens is the newer name; it wins when both are given.
         return self.max_completion_tokens or self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.top_logprobs not in (None, 0):
-            raise InvalidRequest("top_logprobs is not supported yet", param="top_logprobs")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise InvalidRequest(
-                f"response_format {fmt!r} is not supported yet", param="response_format"
-            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise InvalidRequest("tools are not supported yet", param="tools")
 
@@ -136,6 +193,10 @@ class CompletionRequest(_SamplingBody):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):

@@ -9,18 +9,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ferrum.engine.async_engine import RequestStream
-from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.outputs import LogprobEntry, RequestOutput
 from ferrum.errors import EngineError, FerrumError
+
+Logprobs = list[LogprobEntry] | None
 
 
 @dataclass(frozen=True)
 class CompletionKind:
     chat: bool
+    # Bytes of a token id: the text of logprob alternatives (not needed without logprobs).
+    token_bytes: Callable[[int], bytes] | None = None
 
     @property
     def object_whole(self) -> str:
@@ -31,36 +35,74 @@ class CompletionKind:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def delta_choice(
-        self, index: int, content: str, reasoning: str, first: bool = False
+        self,
+        index: int,
+        content: str,
+        reasoning: str,
+        first: bool = False,
+        logprobs: Logprobs = None,
+        offset: int = 0,
     ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs, offset)
         if not self.chat:
-            return {"index": index, "text": content, "logprobs": None, "finish_reason": None}
+            return {"index": index, "text": content, "logprobs": lp, "finish_reason": None}
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if content or first:
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
 
     def whole_choice(
-        self, index: int, content: str, reasoning: str, finish_reason: str
+        self,
+        index: int,
+        content: str,
+        reasoning: str,
+        finish_reason: str,
+        logprobs: Logprobs = None,
     ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs, 0)
         if not self.chat:
-            return {
-                "index": index,
-                "text": content,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            return {"index": index, "text": content, "logprobs": lp, "finish_reason": finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+
+    def logprobs(self, entries: Logprobs, offset: int) -> dict[str, Any] | None:
+        """Chat: {"content": [...]}; completions: the legacy parallel lists."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e.text)
         return {
-            "index": index,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": finish_reason,
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
         }
+
+    def _chat_entry(self, e: LogprobEntry) -> dict[str, Any]:
+        # The token's share of the text, so that tokens concatenate exactly to the content.
+        return {
+            "token": e.text,
+            "logprob": e.logprob,
+            "bytes": list(e.text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": self._text(t), "logprob": lp, "bytes": list(self._bytes(t))}
+                for t, lp in e.top
+            ],
+        }
+
+    def _bytes(self, token: int) -> bytes:
+        return self.token_bytes(token) if self.token_bytes is not None else b""
+
+    def _text(self, token: int) -> str:
+        return self._bytes(token).decode("utf-8", "replace")
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -119,10 +161,13 @@ async def collect(
 ) -> dict[str, Any]:
     content: list[list[str]] = [[] for _ in streams]
     reasoning: list[list[str]] = [[] for _ in streams]
+    logprobs: list[Logprobs] = [None] * len(streams)
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for i, out in _merged(streams):
         content[i].append(out.content)
         reasoning[i].append(out.reasoning)
+        if out.logprobs is not None:
+            logprobs[i] = (logprobs[i] or []) + out.logprobs
         if out.finished:
             if (err := _failure(out)) is not None:
                 raise err
@@ -131,7 +176,9 @@ async def collect(
         raise EngineError("the engine closed a request without a result")
     done = [f for f in finals if f is not None]
     choices = [
-        kind.whole_choice(i, "".join(content[i]), "".join(reasoning[i]), f.finish_reason or "")
+        kind.whole_choice(
+            i, "".join(content[i]), "".join(reasoning[i]), f.finish_reason or "", logprobs[i]
+        )
         for i, f in enumerate(done)
     ]
     return {
@@ -162,12 +209,17 @@ async def stream_sse(
         for i in range(len(streams)):
             yield _sse({**base, "choices": [kind.delta_choice(i, "", "", first=True)]})
     finals: list[RequestOutput] = []
+    offsets = [0] * len(streams)  # characters sent per choice: logprobs' text_offset
     async for i, out in _merged(streams):
         if out.finished and (err := _failure(out)) is not None:
             yield error_event(err)
             break
-        if out.content or out.reasoning:
-            yield _sse({**base, "choices": [kind.delta_choice(i, out.content, out.reasoning)]})
+        if out.content or out.reasoning or out.logprobs:
+            choice = kind.delta_choice(
+                i, out.content, out.reasoning, logprobs=out.logprobs, offset=offsets[i]
+            )
+            offsets[i] += len(out.content)
+            yield _sse({**base, "choices": [choice]})
         if out.finished:
             finals.append(out)
             choice = kind.delta_choice(i, "", "")

@@ -54,6 +54,7 @@ async def complete(
     body: ChatCompletionRequest | CompletionRequest,
     prompt: list[int],
     kind: CompletionKind,
+    grammar: str | None = None,
 ) -> Any:
     """Submits n engine requests for one prompt (they share its prefill) and answers."""
     engine = state.engine
@@ -61,7 +62,8 @@ async def complete(
     max_tokens = body.requested_max_tokens()
     if max_tokens is None and state.default_max_tokens > 0:
         max_tokens = state.default_max_tokens
-    params = body.sampling_params(engine.engine.clamp_max_tokens(len(prompt), max_tokens))
+    max_tokens = engine.engine.clamp_max_tokens(len(prompt), max_tokens)
+    params = body.sampling_params(max_tokens, state.runner.info.n_vocab, grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]

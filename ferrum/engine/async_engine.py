@@ -63,6 +63,8 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     b.content = a.content + b.content
     b.reasoning = a.reasoning + b.reasoning
     b.token_ids = a.token_ids + b.token_ids
+    if a.logprobs is not None and b.logprobs is not None:
+        b.logprobs = a.logprobs + b.logprobs
     return b
 
 

@@ -20,11 +20,22 @@ class BatchItem:
     sampler: Any = None  # the runner's sampler object
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The model's log-probabilities at one sampled position (before any sampler setting)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
 @dataclass
 class StepResult:
     sampled: dict[int, int] = field(default_factory=dict)  # item index → token
     failed: dict[int, str] = field(default_factory=dict)  # item index → reason
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # item index → logprobs
     decode_calls: int = 0
+    faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
 
 
 @dataclass(frozen=True)

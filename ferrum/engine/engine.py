@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ferrum.engine.batch import BatchItem
+from ferrum.engine.batch import BatchItem, TokenLogprobs
 from ferrum.engine.kv import BlockManager, IntegrityError
 from ferrum.engine.kv_manager import KVManager
+from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,6 +32,7 @@ class _Live:
     request: Request
     text: TextPipeline
     pending: RequestOutput
+    logprobs: LogprobTracker | None = None
 
 
 class LLMEngine:
@@ -86,8 +88,11 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params)
         request.sampler = self.runner.new_sampler(params)
         text = TextPipeline(self.runner.token_bytes, params.stop, split_think)
-        pending = RequestOutput(request_id, prompt_tokens=request.num_prompt_tokens)
-        self._live[request_id] = _Live(request, text, pending)
+        live = _Live(request, text, RequestOutput(request_id))
+        if params.logprobs is not None:
+            live.logprobs = LogprobTracker()
+        live.pending = self._new_output(live)
+        self._live[request_id] = live
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -132,6 +137,7 @@ class LLMEngine:
             items.append(BatchItem(req.seq_id, tokens, c.start, req.sampler if c.samples else None))  # type: ignore[arg-type]
         result = self.runner.execute(items)
         stats.decode_retries = max(0, result.decode_calls - 1)
+        stats.faults_injected = result.faults_injected
         now = time.monotonic()
         for i, c in enumerate(sched.chunks):
             req = c.request
@@ -145,10 +151,20 @@ class LLMEngine:
             if c.start < req.num_prompt_tokens:
                 stats.prompt_tokens_computed += min(c.length, req.num_prompt_tokens - c.start)
             if i in result.sampled:
-                self._on_token(live, result.sampled[i], now, stats)
+                token = result.sampled[i]
+                self._on_token(live, token, result.logprobs.get(i), now, stats)
                 touched.append(live)
 
-    def _on_token(self, live: _Live, token: int, now: float, stats: StepStats) -> None:
+    def _ends_output(self, req: Request, token: int) -> bool:
+        """End-of-generation (unless ignore_eos, which a grammar overrides) or a stop token."""
+        params = req.params
+        if token in params.stop_token_ids:
+            return True
+        return (not params.ignore_eos or params.grammar is not None) and self.runner.is_eog(token)
+
+    def _on_token(
+        self, live: _Live, token: int, logprobs: TokenLogprobs | None, now: float, stats: StepStats
+    ) -> None:
         req = live.request
         self.scheduler.append_token(req, token)
         stats.generated_tokens += 1
@@ -160,12 +176,17 @@ class LLMEngine:
         req.last_token_time = now
         out = live.pending
         out.token_ids.append(token)
-        if not req.params.ignore_eos and self.runner.is_eog(token):
+        if self._ends_output(req, token):
             self._finish(live, FinishReason.STOP)
             return
         delta = live.text.feed_token(token)
         out.content += delta.content
         out.reasoning += delta.reasoning
+        if live.logprobs is not None and out.logprobs is not None:
+            live.logprobs.add(logprobs or TokenLogprobs(token, 0.0), delta.raw)
+            out.logprobs += live.logprobs.release(
+                live.text.released_chars, live.text.mid_character
+            )
         if delta.stopped:
             self._finish(live, FinishReason.STOP)
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_positions:
@@ -181,6 +202,9 @@ class LLMEngine:
         out = live.pending
         out.content += tail.content
         out.reasoning += tail.reasoning
+        if live.logprobs is not None and out.logprobs is not None:
+            live.logprobs.extend_last(tail.raw)
+            out.logprobs += live.logprobs.finish(live.text.released_chars)
         out.finished = True
         out.finish_reason = reason.value
         out.error = error
@@ -201,8 +225,17 @@ class LLMEngine:
         out = live.pending
         out.completion_tokens = live.request.num_output_tokens
         out.cached_tokens = live.request.num_cached_tokens
-        live.pending = RequestOutput(out.request_id, prompt_tokens=out.prompt_tokens)
+        live.pending = self._new_output(live)
         return out
+
+    @staticmethod
+    def _new_output(live: _Live) -> RequestOutput:
+        req = live.request
+        return RequestOutput(
+            req.request_id,
+            prompt_tokens=req.num_prompt_tokens,
+            logprobs=None if live.logprobs is None else [],
+        )
 
     def publish_stats(self, stats: StepStats | None = None) -> None:
         """Sends gauges and the requests finished since the last call to the observer."""

@@ -8,6 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One output token: its share of the output text and the model's log-probabilities."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One step's news for one request. `finished` outputs are always the last."""
@@ -22,6 +32,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[LogprobEntry] | None = None  # None unless the request asked for them
 
 
 @dataclass(slots=True)
@@ -43,6 +54,7 @@ class StepStats:
     preemptions: int = 0
     decode_failures: int = 0
     decode_retries: int = 0  # extra llama_decode calls after "no KV slot" split a batch
+    faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults (testing aid)
     step_s: float = 0.0
     kv_usage: float = 0.0
     kv_blocks_total: int = 0

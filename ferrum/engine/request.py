@@ -50,6 +50,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Extensions beyond the sampler settings above:
+    stop_token_ids: tuple[int, ...] = ()  # generating one of these ends the output (not shown)
+    min_tokens: int = 0  # end-of-generation and stop tokens are banned until this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -100 or less bans
+    logprobs: int | None = None  # None: none; k ≥ 0: the sampled token's and k alternatives
+    grammar: str | None = None  # GBNF (root rule "root") the output must match
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""The llama.cpp runner: the only module that imports `llama_cpp`.
+"""The llama.cpp runner: with `sampler.py`, the only module that imports `llama_cpp`.
 
 It owns the model, the context, one reusable `llama_batch` and the per-request sampler chains,
 and frees every C handle through `close()` (idempotent). It knows nothing of requests or
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 from collections.abc import Sequence
 
 import llama_cpp as ll
@@ -24,58 +25,13 @@ import llama_cpp as ll
 from ferrum.config import EngineConfig
 from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
 from ferrum.engine.request import SamplingParams
+from ferrum.engine.sampler import Sampler, init_grammar, json_schema_grammar
 from ferrum.errors import ModelLoadError
 
 log = logging.getLogger("ferrum.llama")
 
 # llama_decode's "no KV slot for this batch" return code; anything else non-zero is an error.
 _DECODE_NO_SLOT = 1
-_PENALTY_LAST_N = 64
-
-
-class Sampler:
-    """A llama.cpp sampler chain for one request; keeps penalty and RNG state across steps."""
-
-    def __init__(self, params: SamplingParams, n_vocab: int):
-        chain_params = ll.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        self._chain = ll.llama_sampler_chain_init(chain_params)
-        add = ll.llama_sampler_chain_add
-        if (
-            params.repetition_penalty != 1.0
-            or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0
-        ):
-            add(
-                self._chain,
-                ll.llama_sampler_init_penalties(
-                    n_vocab,
-                    _PENALTY_LAST_N,
-                    params.repetition_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                ),
-            )
-        if params.greedy:
-            add(self._chain, ll.llama_sampler_init_greedy())
-            return
-        if params.top_k > 0:
-            add(self._chain, ll.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            add(self._chain, ll.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            add(self._chain, ll.llama_sampler_init_min_p(params.min_p, 1))
-        add(self._chain, ll.llama_sampler_init_temp(params.temperature))
-        seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-        add(self._chain, ll.llama_sampler_init_dist(seed))
-
-    def sample(self, ctx: ll.llama_context_p, index: int) -> int:
-        return ll.llama_sampler_sample(self._chain, ctx, index)
-
-    def close(self) -> None:
-        if self._chain is not None:
-            ll.llama_sampler_free(self._chain)  # frees every sampler added to the chain
-            self._chain = None
 
 
 def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
@@ -110,7 +66,12 @@ class LlamaRunner:
         self._n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self._piece_cache: dict[int, bytes] = {}
         self._eog_cache: dict[int, bool] = {}
+        self._end_tokens: list[int] | None = None
         self._mem = ll.llama_get_memory(self._ctx)
+        self._fault_rate = config.inject_faults
+        self._faults = random.Random(0)  # the same faults in the same traffic
+        if self._fault_rate > 0:
+            log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
         self.info = self._describe(model_path, config.resolved_threads())
 
     def _init_context(self, config: EngineConfig) -> None:
@@ -209,7 +170,23 @@ class LlamaRunner:
     # -- decoding ---------------------------------------------------------------------------
 
     def new_sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self._n_vocab)
+        return Sampler(params, self._vocab, self._n_vocab, self._eog_tokens())
+
+    def _eog_tokens(self) -> list[int]:
+        """Every end-of-generation token, the vocabulary's EOS first (one scan, then cached)."""
+        if self._end_tokens is None:
+            eos = ll.llama_vocab_eos(self._vocab)
+            eog = [t for t in range(self._n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)]
+            self._end_tokens = sorted(eog, key=lambda t: t != eos)
+        return self._end_tokens
+
+    def check_grammar(self, grammar: str) -> None:
+        """ValueError when llama.cpp cannot parse the GBNF text. Safe from any thread."""
+        ll.llama_sampler_free(init_grammar(self._vocab, grammar))
+
+    @staticmethod
+    def json_schema_grammar(schema: dict) -> str:
+        return json_schema_grammar(schema)
 
     def clear_sequence(self, seq_id: int) -> None:
         # Removing a whole sequence never fails, for KV and recurrent memory alike.
@@ -228,7 +205,7 @@ class LlamaRunner:
         return result
 
     def _decode_split(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> None:
-        rc = self._decode(idx, items, result)
+        rc = self._injected_fault(idx, result) or self._decode(idx, items, result)
         if rc == 0:
             return
         if rc == _DECODE_NO_SLOT and len(idx) > 1:
@@ -239,6 +216,14 @@ class LlamaRunner:
         reason = "no KV slot for the batch" if rc == _DECODE_NO_SLOT else f"llama_decode={rc}"
         for i in idx:
             result.failed[i] = reason
+
+    def _injected_fault(self, idx: list[int], result: StepResult) -> int:
+        """--inject-faults: llama.cpp's "no KV slot" for a batch of several sequences, without
+        decoding it. Only where the split below can recover, so no request ever fails of it."""
+        if len(idx) > 1 and self._fault_rate > 0 and self._faults.random() < self._fault_rate:
+            result.faults_injected += 1
+            return _DECODE_NO_SLOT
+        return 0
 
     def _decode(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> int:
         batch = self._batch
@@ -273,7 +258,10 @@ class LlamaRunner:
         if rc != 0:
             return rc
         for i, b in sample_at:
-            result.sampled[i] = items[i].sampler.sample(self._ctx, b)  # type: ignore[union-attr]
+            token, logprobs = items[i].sampler.sample(self._ctx, b)  # type: ignore[union-attr]
+            result.sampled[i] = token
+            if logprobs is not None:
+                result.logprobs[i] = logprobs
         return 0
 
     def close(self) -> None:

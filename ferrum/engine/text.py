@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import enum
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Delta",
@@ -33,6 +33,11 @@ class IncrementalDecoder:
     def feed(self, data: bytes) -> str:
         """Decode ``data``; an unfinished character is kept until its next bytes arrive."""
         return self._decoder.decode(data)
+
+    @property
+    def mid_character(self) -> bool:
+        """True while it holds the first bytes of a character."""
+        return bool(self._decoder.getstate()[0])
 
     def flush(self) -> str:
         """End of generation: dangling partial bytes come out as U+FFFD."""
@@ -242,6 +247,8 @@ class Delta:
     content: str = ""
     reasoning: str = ""
     stopped: bool = False
+    # The token's own decoded text, before stop strings and think tags: what logprobs show.
+    raw: str = field(default="", compare=False)
 
 
 class TextPipeline:
@@ -257,7 +264,8 @@ class TextPipeline:
     ``stopped=True``; after ``finish`` they return empty deltas.
 
     ``text`` and ``reasoning`` hold everything emitted so far, for non-streaming
-    responses.
+    responses. ``released_chars`` counts the decoded characters that passed the
+    stop matcher: the part of the tokens' raw text that is final.
     """
 
     def __init__(
@@ -278,6 +286,11 @@ class TextPipeline:
         self._reasoning_parts: list[str] = []
         self.stopped = False
         self._finished = False
+        self.released_chars = 0
+
+    @property
+    def mid_character(self) -> bool:
+        return self._decoder.mid_character
 
     @property
     def text(self) -> str:
@@ -296,7 +309,10 @@ class TextPipeline:
         data = self._token_bytes(token_id)
         if not data:
             return Delta()
-        return self._push(self._decoder.feed(data))
+        raw = self._decoder.feed(data)
+        delta = self._push(raw)
+        delta.raw = raw
+        return delta
 
     def finish(self) -> Delta:
         """End of generation for a reason other than a stop string: flush every stage."""
@@ -304,18 +320,23 @@ class TextPipeline:
             return Delta(stopped=self.stopped)
         self._finished = True
         # Dangling bytes become U+FFFD, which could still complete a stop string.
-        delta = self._push(self._decoder.flush())
+        raw = self._decoder.flush()
+        delta = self._push(raw)
+        delta.raw = raw
         if delta.stopped:
             return delta
-        reasoning, content = self._think.feed(self._stop.flush())
+        held = self._stop.flush()
+        self.released_chars += len(held)
+        reasoning, content = self._think.feed(held)
         tail_reasoning, tail_content = self._think.flush()
         tail = self._record(reasoning + tail_reasoning, content + tail_content, False)
-        return Delta(delta.content + tail.content, delta.reasoning + tail.reasoning, False)
+        return Delta(delta.content + tail.content, delta.reasoning + tail.reasoning, False, raw)
 
     def _push(self, text: str) -> Delta:
         if not text:
             return Delta()
         safe, stopped = self._stop.feed(text)
+        self.released_chars += len(safe)
         reasoning, content = self._think.feed(safe)
         if stopped:
             self.stopped = True

@@ -87,8 +87,28 @@ def test_completions_stream_and_whole_agree(client):
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"n": 9}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"9999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"stop_token_ids": [9999]}, "stop_token_ids"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "integer", "minimum": 3}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_parameter(client, body, param):

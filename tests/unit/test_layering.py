@@ -29,7 +29,7 @@ def _who_imports(prefix: str) -> set[str]:
 
 
 def test_only_the_runner_imports_llama_cpp():
-    assert _who_imports("llama_cpp") == {"engine/runner.py"}
+    assert _who_imports("llama_cpp") == {"engine/runner.py", "engine/sampler.py"}
 
 
 def test_web_and_metrics_libraries_stay_at_the_edge():

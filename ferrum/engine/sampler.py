@@ -1,0 +1,210 @@
+"""llama.cpp sampling for one request: a sampler chain, an optional grammar, and logprobs.
+
+The chain, in order:  [logit bias] [penalties]  greedy
+                                              | top-k → top-p → min-p → temperature → dist
+Logprobs are the model's own log-softmax at the sampled position, taken before any of these
+settings change the logits, and computed only for requests that ask.
+
+Grammar-constrained requests (response_format, forced tool calls) sample as llama.cpp's own
+tools do: the chain picks a token, the grammar checks that one token, and only when it refuses
+is the grammar applied to the whole vocabulary (a pass over 262k tokens on Gemma 3) and the
+chain run again on what is left.
+
+Safety: a grammar that accepts a token it does not allow kills the process (GGML_ABORT for an
+end-of-generation token before the grammar is complete, an uncaught C++ exception otherwise),
+so no token reaches `llama_sampler_accept(grammar, ...)` without passing the one-token check.
+When the grammar admits nothing at all, the sampler returns the end-of-generation token.
+
+This module and the runner are the only ones that import llama_cpp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from ferrum.engine.batch import TokenLogprobs
+from ferrum.engine.request import SamplingParams
+
+_PENALTY_LAST_N = 64
+_BAN_BIAS = -100.0  # OpenAI's convention: a bias of -100 bans the token
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)
+
+
+def _chain(params: SamplingParams, n_vocab: int) -> Any:
+    chain_params = ll.llama_sampler_chain_default_params()
+    chain_params.no_perf = True
+    chain = ll.llama_sampler_chain_init(chain_params)
+    add = ll.llama_sampler_chain_add
+    if params.logit_bias:
+        biases = (ll.llama_logit_bias * len(params.logit_bias))()
+        for i, (token, bias) in enumerate(params.logit_bias):
+            biases[i].token = token
+            biases[i].bias = -np.inf if bias <= _BAN_BIAS else bias
+        add(chain, ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+    if (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    ):
+        add(
+            chain,
+            ll.llama_sampler_init_penalties(
+                n_vocab,
+                _PENALTY_LAST_N,
+                params.repetition_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
+            ),
+        )
+    if params.greedy:
+        add(chain, ll.llama_sampler_init_greedy())
+        return chain
+    if params.top_k > 0:
+        add(chain, ll.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+    add(chain, ll.llama_sampler_init_temp(params.temperature))
+    seed = ll.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+    add(chain, ll.llama_sampler_init_dist(seed))
+    return chain
+
+
+def init_grammar(vocab: Any, grammar: str) -> Any:
+    """A grammar sampler, or ValueError when llama.cpp cannot parse the grammar."""
+    sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        raise ValueError("llama.cpp could not parse the grammar")
+    return sampler
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """JSON Schema → GBNF, with llama-cpp-python's converter (ValueError when it cannot)."""
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ValueError(f"the JSON schema cannot be converted to a grammar: {exc}") from exc
+
+
+class Sampler:
+    """One request's sampling state: penalty history, RNG, grammar position, token count."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab: Any,
+        n_vocab: int,
+        end_tokens: Sequence[int],
+    ):
+        self._n_vocab = n_vocab
+        self._num_logprobs = params.logprobs
+        self._min_tokens = params.min_tokens
+        self._sampled = 0
+        # Tokens that would end the output; banned while fewer than min_tokens were sampled.
+        self._early_ban = np.array(
+            sorted(set(end_tokens) | set(params.stop_token_ids)), dtype=np.int64
+        )
+        self._end_token = end_tokens[0] if end_tokens else 0
+        self._candidates: np.ndarray | None = None
+        self._grammar = None
+        self._chain = _chain(params, n_vocab)
+        # Only penalty samplers remember accepted tokens (greedy and dist keep no history).
+        self._stateless_chain = (
+            params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0
+        )
+        if params.grammar is not None:
+            try:
+                self._grammar = init_grammar(vocab, params.grammar)
+            except ValueError:
+                self.close()
+                raise
+
+    def sample(self, ctx: Any, index: int) -> tuple[int, TokenLogprobs | None]:
+        ptr = ll.llama_get_logits_ith(ctx, index)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        # Logprobs describe the model, so they are read before the ban below edits the logits.
+        dist = None if self._num_logprobs is None else _Distribution(logits, self._num_logprobs)
+        if self._sampled < self._min_tokens and self._early_ban.size:
+            logits[self._early_ban] = -np.inf  # llama.cpp's own logits buffer, read below
+        if self._grammar is None:
+            token = ll.llama_sampler_sample(self._chain, ctx, index)
+        else:
+            token = self._sample_constrained(ctx, index, logits)
+        self._sampled += 1
+        return token, None if dist is None else dist.describe(token)
+
+    def _sample_constrained(self, ctx: Any, index: int, logits: np.ndarray) -> int:
+        if self._stateless_chain:
+            # Fast path in C; the chain's accept of a refused token changes nothing.
+            token = ll.llama_sampler_sample(self._chain, ctx, index)
+        else:
+            token = self._apply([self._chain], logits)
+        if not self._allows(token):
+            token = self._apply([self._grammar, self._chain], logits)
+            if not self._allows(token):
+                return self._end_token  # the grammar admits nothing more
+        ll.llama_sampler_accept(self._grammar, token)
+        if not self._stateless_chain:
+            ll.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _apply(self, samplers: list[Any], logits: np.ndarray) -> int:
+        """Runs samplers over every token's logit without accepting; returns the pick."""
+        if self._candidates is None:
+            self._candidates = np.empty(self._n_vocab, dtype=_TOKEN_DATA)
+        cur = self._candidates
+        cur["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        data = ctypes.cast(cur.ctypes.data, ctypes.POINTER(ll.llama_token_data))
+        arr = ll.llama_token_data_array(data, self._n_vocab, -1, False)
+        for s in samplers:
+            ll.llama_sampler_apply(s, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            return self._end_token
+        return int(arr.data[arr.selected].id)
+
+    def _allows(self, token: int) -> bool:
+        one = ll.llama_token_data(token, 0.0, 0.0)
+        arr = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return bool(np.isfinite(one.logit))
+
+    def close(self) -> None:
+        for name in ("_chain", "_grammar"):
+            handle = getattr(self, name)
+            if handle is not None:
+                ll.llama_sampler_free(handle)  # a chain frees every sampler added to it
+                setattr(self, name, None)
+
+
+class _Distribution:
+    """What logprobs need from one position's logits, taken before anything edits them."""
+
+    def __init__(self, logits: np.ndarray, k: int):
+        peak = float(logits.max())
+        self._log_norm = peak + float(np.log(np.exp(logits - peak).sum(dtype=np.float64)))
+        self._logits = logits
+        self._top: tuple[tuple[int, float], ...] = ()
+        if k > 0:
+            k = min(k, logits.size)
+            best = np.argpartition(logits, -k)[-k:]
+            best = best[np.argsort(-logits[best], kind="stable")]
+            self._top = tuple((int(t), float(logits[t]) - self._log_norm) for t in best)
+
+    def describe(self, token: int) -> TokenLogprobs:
+        for t, logprob in self._top:
+            if t == token:
+                return TokenLogprobs(token, logprob, self._top)
+        return TokenLogprobs(token, float(self._logits[token]) - self._log_norm, self._top)
