@@ -80,6 +80,8 @@ def _check(engine: EngineConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if engine.ctx_size < engine.block_size:
         raise ValueError("--ctx-size must hold at least one block")
+    if not 0.0 <= engine.inject_faults <= 1.0:
+        raise ValueError("--inject-faults must be between 0 and 1")
 
 
 def default_model_path() -> str:

@@ -12,8 +12,10 @@ import pytest
 from ferrum.config import EngineConfig
 from ferrum.engine import runner as runner_module
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.outputs import StepStats
 from ferrum.engine.runner import LlamaRunner
 from ferrum.errors import ModelLoadError
+from ferrum.metrics import Metrics
 from tests.factories import run_to_completion, sampling
 from tests.tiny_models import EOS_ID, IM_END_ID
 
@@ -103,6 +105,31 @@ def test_no_kv_slot_is_retried_as_smaller_batches(tiny_llama, monkeypatch):
         monkeypatch.setattr(runner_module.ll, "llama_decode", picky_decode)
         assert _generate(engine, PROMPTS[:1] + PROMPTS[2:]) == expected
     assert max(calls) == 3  # the engine did try them together, then split
+
+
+def test_injected_no_kv_slot_faults_change_no_output(tiny_model):
+    # --inject-faults, as the soak runs it: most shared decodes are refused on purpose, and the
+    # split retry must absorb every one (no failed request, the same tokens).
+    with engine_for(tiny_model) as engine:
+        expected = _generate(engine, PROMPTS)
+    metrics = _RecordingMetrics()
+    with engine_for(tiny_model, inject_faults=0.8) as engine:
+        engine.observer = metrics
+        assert _generate(engine, PROMPTS) == expected
+    faults = sum(s.faults_injected for s in metrics.steps)
+    assert faults > 0 and sum(s.decode_failures for s in metrics.steps) == 0
+    assert sum(s.decode_retries for s in metrics.steps) >= faults
+    assert f"ferrum_faults_injected_total {float(faults)}" in metrics.render().decode()
+
+
+class _RecordingMetrics(Metrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[StepStats] = []
+
+    def on_step(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+        super().on_step(stats)
 
 
 def test_runner_text_and_model_facts(tiny_llama, tiny_mamba):
