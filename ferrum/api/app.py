@@ -25,8 +25,7 @@ from ferrum.api.protocol import (
     TokenizeRequest,
 )
 from ferrum.api.responses import CompletionKind
-from ferrum.api.serving import ServerState, complete
-from ferrum.api.structured import response_grammar
+from ferrum.api.serving import ServerState, complete, prepare_chat
 from ferrum.errors import (
     AuthenticationError,
     FerrumError,
@@ -173,11 +172,7 @@ def _route(app: FastAPI, method: str, path: str) -> Any:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        body.reject_unsupported()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = state.formatter.tokenize(messages, state.runner.tokenize)
-        grammar = response_grammar(body.response_format, state.runner)
-        kind = CompletionKind(chat=True, token_bytes=state.runner.token_bytes)
+        prompt, kind, grammar = prepare_chat(state, body)
         return await complete(state, request, body, prompt, kind, grammar)
 
     @_route(app, "POST", "/v1/completions")

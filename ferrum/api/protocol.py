@@ -39,10 +39,27 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
+    # Tool turns: an assistant's calls, and the id a tool result answers.
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_call_id: str | None = None
+    # An earlier answer's reasoning, for templates that show it (both names are in use).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -170,6 +187,7 @@ class ChatCompletionRequest(_SamplingBody):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given.
@@ -184,8 +202,6 @@ class ChatCompletionRequest(_SamplingBody):
         super().reject_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported yet", param="tools")
 
 
 class CompletionRequest(_SamplingBody):

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ferrum.api.tool_calls import ToolCall, ToolFormat
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import LogprobEntry, RequestOutput
 from ferrum.errors import EngineError, FerrumError
@@ -25,6 +26,8 @@ class CompletionKind:
     chat: bool
     # Bytes of a token id: the text of logprob alternatives (not needed without logprobs).
     token_bytes: Callable[[int], bytes] | None = None
+    # Set when the request has tools: calls in this format are parsed out of the content.
+    tool_format: ToolFormat | None = None
 
     @property
     def object_whole(self) -> str:
@@ -42,6 +45,7 @@ class CompletionKind:
         first: bool = False,
         logprobs: Logprobs = None,
         offset: int = 0,
+        calls: Sequence[ToolCall] = (),
     ) -> dict[str, Any]:
         lp = self.logprobs(logprobs, offset)
         if not self.chat:
@@ -51,6 +55,8 @@ class CompletionKind:
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if calls:
+            delta["tool_calls"] = [{"index": c.index, **_call(c)} for c in calls]
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
 
     def whole_choice(
@@ -64,7 +70,15 @@ class CompletionKind:
         lp = self.logprobs(logprobs, 0)
         if not self.chat:
             return {"index": index, "text": content, "logprobs": lp, "finish_reason": finish_reason}
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        calls: list[ToolCall] = []
+        if self.tool_format is not None:
+            content, calls = self.tool_format.parse(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [_call(c) for c in calls]
+            finish_reason = "tool_calls"
+        elif not content:
+            message["content"] = ""
         if reasoning:
             message["reasoning_content"] = reasoning
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
@@ -103,6 +117,30 @@ class CompletionKind:
 
     def _text(self, token: int) -> str:
         return self._bytes(token).decode("utf-8", "replace")
+
+
+def _call(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+class _ToolStreams:
+    """Per choice, the streamed content with tool calls parsed out (a no-op without tools)."""
+
+    def __init__(self, fmt: ToolFormat | None, n: int):
+        self._parsers = [fmt.stream_parser() if fmt else None for _ in range(n)]
+        self.called = [False] * n
+
+    def feed(self, i: int, out: RequestOutput) -> tuple[str, list[ToolCall]]:
+        parser = self._parsers[i]
+        if parser is None:
+            return out.content, []
+        delta = parser.feed(out.content)
+        content, calls = delta.content, delta.calls
+        if out.finished:
+            tail = parser.finish()
+            content, calls = content + tail.content, calls + tail.calls
+        self.called[i] = self.called[i] or bool(calls)
+        return content, calls
 
 
 def usage(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -210,22 +248,24 @@ async def stream_sse(
             yield _sse({**base, "choices": [kind.delta_choice(i, "", "", first=True)]})
     finals: list[RequestOutput] = []
     offsets = [0] * len(streams)  # characters sent per choice: logprobs' text_offset
+    tools = _ToolStreams(kind.tool_format, len(streams))
     async for i, out in _merged(streams):
         if out.finished and (err := _failure(out)) is not None:
             yield error_event(err)
             break
-        if out.content or out.reasoning or out.logprobs:
+        content, calls = tools.feed(i, out)
+        if content or out.reasoning or out.logprobs or calls:
             choice = kind.delta_choice(
-                i, out.content, out.reasoning, logprobs=out.logprobs, offset=offsets[i]
+                i, content, out.reasoning, logprobs=out.logprobs, offset=offsets[i], calls=calls
             )
-            offsets[i] += len(out.content)
+            offsets[i] += len(content)
             yield _sse({**base, "choices": [choice]})
         if out.finished:
             finals.append(out)
             choice = kind.delta_choice(i, "", "")
             if kind.chat:
                 choice["delta"] = {}
-            choice["finish_reason"] = out.finish_reason
+            choice["finish_reason"] = "tool_calls" if tools.called[i] else out.finish_reason
             chunk: dict[str, Any] = {**base, "choices": [choice]}
             if len(finals) == len(streams):
                 chunk["usage"] = usage(finals)

@@ -19,9 +19,11 @@ from fastapi.responses import StreamingResponse
 from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
+from ferrum.api.structured import response_grammar
+from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.request import SamplingParams
-from ferrum.errors import RequestTimeout
+from ferrum.errors import InvalidRequest, RequestTimeout
 from ferrum.metrics import Metrics
 
 T = TypeVar("T")
@@ -41,6 +43,34 @@ class ServerState:
     default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
     request_timeout: float = 0.0  # --request-timeout; 0: none
     created: int = 0
+
+
+def prepare_chat(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[list[int], CompletionKind, str | None]:
+    """The prompt (tools carried by the template), the response kind and the grammar, if any.
+
+    A forced tool choice and a JSON response_format would each need their own grammar over
+    the same output, so they are refused together."""
+    body.reject_unsupported()
+    tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    prompt = state.formatter.tokenize(messages, state.runner.tokenize, tools.template_tools())
+    fmt = state.formatter.tool_format
+    grammar = tools.grammar(fmt, state.runner)
+    if grammar is None:
+        grammar = response_grammar(body.response_format, state.runner)
+    elif body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequest(
+            "response_format cannot be combined with a tool_choice that forces a call",
+            param="response_format",
+        )
+    kind = CompletionKind(
+        chat=True,
+        token_bytes=state.runner.token_bytes,
+        tool_format=fmt if tools.active else None,
+    )
+    return prompt, kind, grammar
 
 
 def _deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:
