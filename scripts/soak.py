@@ -6,11 +6,15 @@ context_length_exceeded), and bursts of 8 requests behind one shared prefix. Aft
 server must be idle again: no active or queued request and no KV block held outside parked
 prefixes.
 
-Prints requests served, intended rejections, failures (anything else, must be 0), cancels,
-KV blocks before/after, the server's RSS growth after warm-up and the TTFT drift (median of the
-last fifth of streamed requests over the first fifth). Exits 1 when any bound is broken.
+With --inject-faults RATE the server it starts fakes llama.cpp's "no KV slot" for that share of
+decodes of several sequences: the split retry must absorb every one (failures stay 0).
 
-    .venv/bin/python scripts/soak.py --minutes 10          # starts its own server
+Prints a progress line a minute, then requests served, intended rejections, failures (anything
+else, must be 0), cancels, faults injected and decode retries (from /metrics), KV blocks
+before/after, the server's RSS growth after warm-up and the TTFT drift (median of the last fifth
+of streamed requests over the first fifth). Exits 1 when any bound is broken.
+
+    .venv/bin/python scripts/soak.py --minutes 10 --inject-faults 0.05   # starts its own server
     .venv/bin/python scripts/soak.py --url http://127.0.0.1:8080 --pid 1234
 """
 
@@ -146,12 +150,34 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+async def _counters(base: str) -> dict[str, float]:
+    """The server's Prometheus counters, by name (e.g. ferrum_faults_injected_total)."""
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        text = (await client.get("/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith("_total") and not line.startswith("#"):
+            out[name] = float(value)
+    return out
+
+
+async def _progress(t: Tally, start: float, every: float = 60.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        print(
+            f"[{(time.monotonic() - start) / 60:5.1f} min] served {t.served} "
+            f"cancels {t.cancels} rejected {t.rejected} failures {len(t.failures)}",
+            flush=True,
+        )
+
+
 def _held_blocks(h: dict) -> int:
     """KV blocks held by anything but parked prefixes (0 when idle)."""
     return round(h["kv_cache_usage_ratio"] * h["kv_blocks_total"]) - h["prefix_cache"]["blocks"]
 
 
-def _start_server(port: int) -> subprocess.Popen:
+def _start_server(port: int, inject_faults: float = 0.0) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -167,6 +193,8 @@ def _start_server(port: int) -> subprocess.Popen:
         "4096",
         "--log-level",
         "warning",
+        "--inject-faults",
+        str(inject_faults),
     ]
     proc = subprocess.Popen(cmd, start_new_session=True)
     for _ in range(600):
@@ -184,6 +212,7 @@ async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> 
         n_ctx = (await c.get("/v1/models")).json()["data"][0]["meta"]["n_ctx"]
     before = await _idle_health(base)
     t, rng = Tally(), random.Random(seed)
+    progress = asyncio.create_task(_progress(t, time.monotonic()))
     warm_end = time.monotonic() + min(30.0, seconds / 5)
     await asyncio.gather(
         *(_worker(base, random.Random(rng.random()), warm_end, n_ctx, t) for _ in range(workers))
@@ -193,7 +222,9 @@ async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> 
     await asyncio.gather(
         *(_worker(base, random.Random(rng.random()), end, n_ctx, t) for _ in range(workers))
     )
+    progress.cancel()
     after = await _idle_health(base)
+    counters = await _counters(base)
     ttfts = [x for _, x in sorted(t.ttfts)]
     fifth = max(1, len(ttfts) // 5)
     return {
@@ -202,6 +233,10 @@ async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> 
         "cancels": t.cancels,
         "failures": len(t.failures),
         "failure_samples": t.failures[:5],
+        "faults_injected": int(counters.get("ferrum_faults_injected_total", 0)),
+        "decode_retries": int(counters.get("ferrum_decode_retries_total", 0)),
+        "decode_failures": int(counters.get("ferrum_decode_failures_total", 0)),
+        "preemptions": int(counters.get("ferrum_preemptions_total", 0)),
         "kv_held_blocks_before": _held_blocks(before),
         "kv_held_blocks_after": _held_blocks(after),
         "active_after": after["active_requests"],
@@ -216,10 +251,14 @@ async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> 
     }
 
 
-def check(report: dict, max_rss_growth: float, max_ttft_drift: float) -> list[str]:
+def check(
+    report: dict, max_rss_growth: float, max_ttft_drift: float, inject_faults: float = 0.0
+) -> list[str]:
     broken = []
-    if report["failures"]:
-        broken.append(f"{report['failures']} failures")
+    if report["failures"] or report["decode_failures"]:
+        broken.append(f"{report['failures']} failures, {report['decode_failures']} in decode")
+    if inject_faults > 0 and report["faults_injected"] == 0:
+        broken.append("--inject-faults was given but no fault was injected")
     if report["kv_held_blocks_after"] != 0 or report["active_after"] or report["queue_after"]:
         broken.append("the server did not return to idle")
     if report["rss_growth"] > max_rss_growth:
@@ -242,23 +281,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-rss-growth", type=float, default=0.05)
     p.add_argument("--max-ttft-drift", type=float, default=2.0)
+    p.add_argument(
+        "--inject-faults",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="the started server fakes 'no KV slot' for this share of shared decodes",
+    )
     args = p.parse_args(argv)
     proc = None
     if args.url is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = _start_server(port)
+        proc = _start_server(port, args.inject_faults)
         args.url, args.pid = f"http://127.0.0.1:{port}", proc.pid
     if args.pid is None:
         raise SystemExit("--pid is needed with --url")
+    if args.url and proc is None and args.inject_faults:
+        raise SystemExit("--inject-faults applies to a server this script starts, not to --url")
     try:
         report = asyncio.run(soak(args.url, args.pid, args.minutes * 60, args.workers, args.seed))
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
-    broken = check(report, args.max_rss_growth, args.max_ttft_drift)
+    broken = check(report, args.max_rss_growth, args.max_ttft_drift, args.inject_faults)
     print(json.dumps({**report, "broken": broken}, indent=1))
     return 1 if broken else 0
 
