@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import socket
@@ -52,33 +53,26 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Iterator[str]:
-    log_path = str(tmp_path_factory.mktemp("server") / "ferrum.log")
-    proc, url = start_server(
-        "--threads", "2", "--parallel", "8", "--ctx-size", "4096", log_path=log_path
-    )
+@contextlib.contextmanager
+def running_server(tmp_path_factory, name: str, *extra: str) -> Iterator[str]:
+    """`ferrum serve` on the default model with the suite's settings plus `extra` flags."""
+    log_path = str(tmp_path_factory.mktemp("server") / f"{name}.log")
+    args = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *extra)
+    proc, url = start_server(*args, log_path=log_path)
     try:
         yield url
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[str]:
+    with running_server(tmp_path_factory, "ferrum") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
 def server_no_cache(tmp_path_factory) -> Iterator[str]:
     """The same server with prefix reuse off: the oracle for reuse == fresh prefill."""
-    log_path = str(tmp_path_factory.mktemp("server") / "ferrum-no-cache.log")
-    proc, url = start_server(
-        "--threads",
-        "2",
-        "--parallel",
-        "8",
-        "--ctx-size",
-        "4096",
-        "--no-prefix-cache",
-        log_path=log_path,
-    )
-    try:
+    with running_server(tmp_path_factory, "ferrum-no-cache", "--no-prefix-cache") as url:
         yield url
-    finally:
-        stop_server(proc)

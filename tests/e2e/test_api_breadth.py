@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import running_server
 
 CAT = [{"role": "user", "content": "Describe a cat as a JSON object with keys name and age."}]
 PERSON_SCHEMA = {
@@ -58,14 +58,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right n
 def server(tmp_path_factory) -> Iterator[str]:
     """A server of its own: the KV these tests leave parked would shift other modules' greedy
     texts (llama.cpp rounds differently as the occupied cell range grows)."""
-    log_path = str(tmp_path_factory.mktemp("server") / "ferrum-breadth.log")
-    proc, url = start_server(
-        "--threads", "2", "--parallel", "8", "--ctx-size", "4096", log_path=log_path
-    )
-    try:
+    with running_server(tmp_path_factory, "ferrum-breadth") as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
