@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own `llama-server` from the llama.cpp source vendored in the
-# llama-cpp-python sdist of the exact version ferrum pins in pyproject.toml, so the
-# benchmark compares ferrum against the same llama.cpp revision it links.
+# Build llama.cpp's own `llama-server` and `llama-batched-bench` from the llama.cpp source
+# vendored in the llama-cpp-python sdist of the exact version ferrum pins in pyproject.toml,
+# so the benchmark compares ferrum against the same llama.cpp revision it links.
+# `llama-batched-bench` is llama.cpp's own batched decode loop (no HTTP, no sampling): the
+# ceiling `ferrum bench --workloads engine` measures ferrum's engine against.
 #
 # Everything lands in a cache folder outside the repo:
 #   ${FERRUM_BENCH_CACHE:-$HOME/.cache/ferrum-bench}/
 #     sdist/llama_cpp_python-VERSION.tar.gz   downloaded sdist
 #     src/llama_cpp_python-VERSION/            unpacked sdist
-#     build-VERSION/bin/llama-server           the binary (path printed on the last line)
+#     build-VERSION/bin/llama-server           the server (path printed on the last line)
+#     build-VERSION/bin/llama-batched-bench    the batched decode benchmark, same flags
 #
 # Idempotent: each step is skipped when its output already exists (configure re-runs only
 # when the cmake arguments change); the build step is an incremental no-op when up to date.
@@ -38,6 +41,7 @@ src_dir="$src_root/llama_cpp_python-$version"
 llama_dir="$src_dir/vendor/llama.cpp"
 build_dir="$cache/build-$version"
 binary="$build_dir/bin/llama-server"
+targets=(llama-server llama-batched-bench)
 
 log() { echo "[build_llama_server] $*" >&2; }
 
@@ -114,13 +118,14 @@ configure() {
 }
 
 build() {
-    if [[ -x "$binary" ]]; then
-        log "binary present; running an incremental build check"
+    if [[ -x "$binary" && -x "$build_dir/bin/llama-batched-bench" ]]; then
+        log "binaries present; running an incremental build check"
     else
-        log "building llama-server with $jobs jobs"
+        log "building ${targets[*]} with $jobs jobs"
     fi
     local start=$SECONDS
-    cmake --build "$build_dir" --config Release --target llama-server -j "$jobs" >&2
+    # One configure, one set of GGML flags, both targets: the tools share ggml and libllama.
+    cmake --build "$build_dir" --config Release --target "${targets[@]}" -j "$jobs" >&2
     log "build step took $((SECONDS - start)) s"
 }
 

@@ -1,4 +1,5 @@
-"""`ferrum serve`: flags derived from the config dataclasses, each also `FERRUM_<NAME>`."""
+"""`ferrum serve`: flags derived from the config dataclasses, each also `FERRUM_<NAME>`;
+`ferrum bench`: the benchmark harness (flags and run in `ferrum.bench.command`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from ferrum.bench.command import add_parser as add_bench_parser
 from ferrum.config import EngineConfig, ServerConfig
 from ferrum.errors import FerrumError
 
@@ -71,6 +73,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible API")
     _add_fields(serve, EngineConfig)
     _add_fields(serve, ServerConfig)
+    add_bench_parser(sub)
     return parser
 
 
@@ -124,6 +127,11 @@ class _GracefulServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
+    if args.command == "bench":
+        # Imported here: the harness needs the optional `bench` extra, `serve` does not.
+        from ferrum.bench.command import run as run_bench
+
+        sys.exit(run_bench(args))
     engine_cfg = _build(EngineConfig, args)
     server_cfg = _build(ServerConfig, args)
     logging.basicConfig(

@@ -1,0 +1,168 @@
+"""The benchmark's HTTP client: one streamed `/v1/completions` request, timed chunk by chunk.
+
+Times are taken on receipt of each SSE event (`time.perf_counter`), so they include the
+server's HTTP and JSON work, as a real client would see it. Token counts come from the
+server's `usage` when it sends one; otherwise they are filled in afterwards (`count_prompt`),
+never during a measurement, so counting cannot slow what is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How to ask one server for what every arm must do alike.
+
+    `ignore_eos`: "native" (the `ignore_eos` field), "logit_bias" (end-of-generation tokens
+    biased to -1e9: llama-cpp-python has no such field) or "none" (the server may stop early;
+    the samples then record fewer completion tokens)."""
+
+    ignore_eos: str = "native"
+    eog_token_ids: tuple[int, ...] = ()
+    usage_in_stream: bool = True
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it. Times are perf_counter seconds."""
+
+    prompt: str
+    max_tokens: int
+    t_start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
+    t_end: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    counts_from: str = "usage"  # "usage", or how the counts were filled in afterwards
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.t_start if self.chunk_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        """Inter-token latencies: gaps between successive text chunks of this stream."""
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["ttft_s"] = self.ttft_s
+        return d
+
+
+def request_body(model: str, prompt: str, max_tokens: int, dialect: Dialect, fixed: bool) -> dict:
+    """`fixed`: exactly `max_tokens` output tokens wanted (the end-of-generation token ignored)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    if dialect.usage_in_stream:
+        body["stream_options"] = {"include_usage": True}
+    if fixed and dialect.ignore_eos == "native":
+        body["ignore_eos"] = True
+    elif fixed and dialect.ignore_eos == "logit_bias" and dialect.eog_token_ids:
+        body["logit_bias"] = {str(t): -1e9 for t in dialect.eog_token_ids}
+    return body
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    dialect: Dialect,
+    fixed: bool = True,
+    sample: Sample | None = None,
+) -> Sample:
+    """`sample`: filled in as the stream arrives, for callers that watch its progress."""
+    sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
+    body = request_body(model, prompt, max_tokens, dialect, fixed)
+    text: list[str] = []
+    sample.t_start = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status_code}: {detail[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                _read_usage(sample, event["usage"])
+            for choice in event.get("choices") or ():
+                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
+                if choice.get("text"):
+                    sample.chunk_times.append(now)
+                    text.append(choice["text"])
+    sample.t_end = time.perf_counter()
+    sample.text = "".join(text)
+    if not sample.chunk_times:
+        raise RuntimeError(f"stream without text (finish_reason {sample.finish_reason})")
+    return sample
+
+
+def _read_usage(sample: Sample, usage: dict) -> None:
+    sample.prompt_tokens = usage.get("prompt_tokens")
+    sample.completion_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        sample.cached_tokens = details["cached_tokens"]
+
+
+async def served_model_id(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def count_prompt(client: httpx.AsyncClient, model: str, text: str) -> int | None:
+    """The server's own token count for `text` as a completion prompt (BOS included), from
+    `/tokenize` (ferrum, llama-server) or `/extras/tokenize` (llama-cpp-python)."""
+    resp = await client.post(
+        "/tokenize", json={"content": text, "add_special": True, "parse_special": True}
+    )
+    if resp.status_code == 200:
+        return len(resp.json()["tokens"])
+    resp = await client.post("/extras/tokenize", json={"input": text, "model": model})
+    if resp.status_code == 200:
+        return len(resp.json()["tokens"])
+    return None
+
+
+async def fill_counts(client: httpx.AsyncClient, model: str, samples: list[Sample]) -> None:
+    """After a measurement: counts for samples whose server sent no usage. A reply cut at
+    `max_tokens` has exactly that many tokens; otherwise the chunks are counted (one token a
+    chunk for the servers here, an estimate in general)."""
+    cache: dict[str, int | None] = {}
+    for s in samples:
+        if s.prompt_tokens is None:
+            if s.prompt not in cache:
+                cache[s.prompt] = await count_prompt(client, model, s.prompt)
+            s.prompt_tokens = cache[s.prompt]
+            s.counts_from = "tokenize"
+        if s.completion_tokens is None:
+            length = s.finish_reason == "length"
+            s.completion_tokens = s.max_tokens if length else len(s.chunk_times)
+            s.counts_from += "+max_tokens" if length else "+chunks"
+
+
+async def probe_ignore_eos(client: httpx.AsyncClient, model: str) -> bool:
+    """Whether an unknown server accepts the `ignore_eos` field (some reject unknown fields)."""
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+    resp = await client.post("/v1/completions", json=body)
+    return resp.status_code == 200

@@ -1,0 +1,133 @@
+"""What one benchmark run does: workload sizes, rounds and server shape, as a frozen dataclass.
+
+Two presets: `FULL` (sized to take about half an hour on a quiet 2-core machine for all arms and
+workloads) and `QUICK` (a few minutes: a smoke test, not evidence). The CLI overrides a few
+fields; everything else is fixed so that two runs of the same preset are comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "engine")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    rounds: int = 4  # round 1 is a discarded warm-up
+    threads: int = 2  # CPU threads of every server and of the engine workload
+    ctx_size: int = 8192  # total KV cells; every arm lets one sequence use all of them
+    parallel: int = 16  # sequences decoding at once (the sweep's highest concurrency)
+    # sweep: unique unrelated prompts, `sweep_tokens` output tokens each (ignore_eos)
+    sweep_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    sweep_tokens: int = 64
+    sweep_min_requests: int = 4  # waves at one level until at least this many requests
+    # burst: N clients at once behind one shared prefix, cold then warm
+    burst_clients: int = 8
+    burst_prefix_rules: int = 20  # handbook lines in the shared prefix (~750 Gemma tokens)
+    burst_tokens: int = 16
+    # multiturn: K conversations x T turns, history grows with the real replies
+    multiturn_conversations: int = 4
+    multiturn_turns: int = 5
+    multiturn_tokens: int = 32
+    # noisy: a long prompt arrives while `noisy_streams` streams decode
+    noisy_streams: int = 4
+    noisy_stream_tokens: int = 128
+    noisy_before_tokens: int = 24  # tokens each stream yields before the long prompt is sent
+    noisy_long_rules: int = 80  # handbook lines in the long prompt (~3,000 Gemma tokens)
+    noisy_long_tokens: int = 4
+    # engine: in-process decode loop vs llama-batched-bench
+    engine_batches: tuple[int, ...] = (1, 4, 8, 16)
+    engine_prompt_tokens: int = 32
+    engine_tokens: int = 64
+    # discipline
+    quiet_threshold: float = 0.15  # wait before a server start until machine CPU use <= this
+    quiet_wait_s: float = 60.0  # ... but no longer than this
+    max_foreign: float = 0.05  # flag a measurement if other processes used more CPU than this
+    retries: int = 1  # re-runs of a flagged measurement before it is kept anyway
+    request_timeout_s: float = 300.0
+    measurement_timeout_s: float = 600.0  # one workload on one server, all requests together
+
+    def replace(self, **changes: object) -> BenchSettings:
+        return dataclasses.replace(self, **changes)
+
+
+FULL = BenchSettings()
+
+QUICK = BenchSettings(
+    rounds=2,
+    sweep_levels=(1, 4, 16),
+    sweep_tokens=16,
+    sweep_min_requests=2,
+    burst_clients=4,
+    burst_tokens=8,
+    multiturn_conversations=2,
+    multiturn_turns=3,
+    multiturn_tokens=16,
+    noisy_stream_tokens=48,
+    noisy_before_tokens=8,
+    noisy_long_rules=40,
+    engine_batches=(1, 4, 16),
+    engine_tokens=16,
+    quiet_wait_s=2.0,
+    retries=0,
+    measurement_timeout_s=240.0,
+)
+
+
+# ------------------------------------------------------------------ time estimate
+#
+# A deliberately plain model of a quiet 2-core machine running Gemma 3 270M, calibrated on
+# this project's runs: decode ~35 tok/s for one sequence, rising to ~120 tok/s at 16; prefill
+# ~450 tok/s; a server start plus the quiet check ~4 s. Serial arms (one request at a time)
+# decode every request alone. It is printed before the run so nobody starts a 40-minute job
+# by accident, and the real elapsed time is printed after it.
+
+_PREFILL_TPS = 450.0
+_START_S = 4.0
+
+
+def _decode_tps(concurrency: int, serial: bool) -> float:
+    return 35.0 if serial else 35.0 * min(concurrency, 16) ** 0.45
+
+
+def _tokens(n: int, tokens: int, concurrency: int, serial: bool) -> float:
+    return n * tokens / _decode_tps(concurrency, serial)
+
+
+def _workload_seconds(s: BenchSettings, workload: str, serial: bool) -> float:
+    if workload == "sweep":
+        total = 0.0
+        for c in s.sweep_levels:
+            waves = -(-s.sweep_min_requests // c)
+            total += _tokens(waves * c, s.sweep_tokens, c, serial)
+        return total
+    if workload == "burst":
+        prefix = s.burst_prefix_rules * 37
+        # serial arms and servers without shared prefill compute the prefix per client
+        prefill = prefix * (1 if serial else s.burst_clients) * 2 / _PREFILL_TPS
+        return prefill + 2 * _tokens(s.burst_clients, s.burst_tokens, s.burst_clients, serial)
+    if workload == "multiturn":
+        k, t = s.multiturn_conversations, s.multiturn_turns
+        return t * _tokens(k, s.multiturn_tokens, k, serial) + k * t * 0.2
+    if workload == "noisy":
+        long_prefill = s.noisy_long_rules * 37 / _PREFILL_TPS
+        streams = _tokens(s.noisy_streams, s.noisy_stream_tokens, s.noisy_streams, serial)
+        return long_prefill + streams
+    if workload == "engine":
+        decode = sum(_tokens(b, s.engine_tokens, b, False) for b in s.engine_batches)
+        return 2 * (decode + 3.0)  # ferrum's loop and llama-batched-bench, each loads once
+    raise ValueError(f"unknown workload {workload!r}")
+
+
+def estimate_seconds(s: BenchSettings, serial_arms: list[bool], workloads: list[str]) -> float:
+    """Seconds for the whole run on a quiet machine; `serial_arms`: one flag per HTTP arm."""
+    per_round = 0.0
+    for w in workloads:
+        if w == "engine":
+            per_round += _workload_seconds(s, w, serial=False)
+            continue
+        for serial in serial_arms:
+            per_round += _START_S + _workload_seconds(s, w, serial)
+    return per_round * s.rounds

@@ -1,0 +1,133 @@
+"""The benchmark's pure parts: percentiles, spreads, verdicts, summaries and Markdown tables.
+No servers, no llama.cpp; the harness itself is exercised by `ferrum bench --quick`."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrum.bench.client import Dialect, Sample, request_body
+from ferrum.bench.engine_loop import parse_ceiling
+from ferrum.bench.report import markdown_table, summarize
+from ferrum.bench.settings import FULL, QUICK, estimate_seconds
+from ferrum.bench.stats import Spread, paired_ratio, percentile, verdict
+
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert percentile(range(101), 99) == pytest.approx(99.0)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_spread_skips_missing_values():
+    sp = Spread.of([3.0, None, 1.0, 2.0, float("nan")])
+    assert (sp.median, sp.lo, sp.hi, sp.n) == (2.0, 1.0, 3.0, 3)
+    assert Spread.of([None]) is None
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "higher", "expected"),
+    [
+        ([10, 11, 12], [5, 6, 7], True, "win"),
+        ([10, 11, 12], [5, 6, 7], False, "loss"),
+        ([1, 2, 3], [5, 6, 7], True, "loss"),
+        ([1, 2, 3], [5, 6, 7], False, "win"),
+        ([1, 5, 9], [4, 6, 8], True, "inconclusive"),
+        ([1, 2, 5], [5, 6, 7], True, "inconclusive"),  # touching ranges overlap
+        ([10], [5, 6], True, "inconclusive (n<2)"),
+    ],
+)
+def test_verdict_needs_disjoint_ranges(ours, theirs, higher, expected):
+    assert verdict(Spread.of(ours), Spread.of(theirs), higher) == expected
+
+
+def test_verdict_without_data_is_na():
+    assert verdict(None, Spread.of([1, 2]), True) == "n/a"
+
+
+def test_paired_ratio_uses_common_rounds_only():
+    sp = paired_ratio({2: 10.0, 3: 12.0, 4: 9.0}, {2: 5.0, 3: 6.0})
+    assert (sp.median, sp.lo, sp.hi, sp.n) == (2.0, 2.0, 2.0, 2)
+
+
+def _record(arm: str, round_no: int, metrics: dict, workload: str = "sweep") -> dict:
+    return {"workload": workload, "arm": arm, "round": round_no, "metrics": metrics}
+
+
+def test_summary_discards_round_one_and_failures_and_renders_markdown():
+    s = QUICK.replace(sweep_levels=(1,))
+    records = [
+        _record("ferrum", 1, {"c1.tps": 1000.0}),  # warm-up: ignored
+        _record("ferrum", 2, {"c1.tps": 40.0, "c1.ttft_p50": 0.10}),
+        _record("ferrum", 3, {"c1.tps": 42.0, "c1.ttft_p50": 0.12}),
+        _record("llama-server", 2, {"c1.tps": 30.0, "c1.ttft_p50": 0.11}),
+        _record("llama-server", 3, {"c1.tps": 31.0, "c1.ttft_p50": 0.13}),
+        {"workload": "sweep", "arm": "llama-server", "round": 4, "error": "boom"},
+    ]
+    rows = summarize(records, "sweep", ["ferrum", "llama-server"], s)
+    by_key = {r["spec"].key: r for r in rows}
+    tps = by_key["c1.tps"]
+    assert tps["arms"]["ferrum"].median == 41.0 and tps["arms"]["ferrum"].n == 2
+    assert tps["vs"]["llama-server"]["verdict"] == "win"
+    assert tps["vs"]["llama-server"]["ratio"].lo == pytest.approx(40 / 30)
+    assert by_key["c1.ttft_p50"]["vs"]["llama-server"]["verdict"] == "inconclusive"
+    table = markdown_table(rows, ["ferrum", "llama-server"]).splitlines()
+    assert table[0] == "| metric | ferrum | llama-server | ferrum / llama-server |"
+    assert (
+        table[2]
+        == "| c=1: output tok/s | 41.0 [40.0, 42.0] | 30.5 [30.0, 31.0] | 1.34 [1.33, 1.35] win |"
+    )
+    assert "| c=1: inter-token p50 (ms) | n/a | n/a | n/a |" in table
+
+
+def test_context_metrics_get_no_verdict():
+    records = [
+        _record(arm, r, {"cold.cached_tokens": c}, "burst")
+        for arm, c in (("ferrum", 2000.0), ("llama-server", 0.0))
+        for r in (2, 3)
+    ]
+    rows = summarize(records, "burst", ["ferrum", "llama-server"], QUICK)
+    row = next(r for r in rows if r["spec"].key == "cold.cached_tokens")
+    assert row["vs"]["llama-server"]["verdict"] == ""
+    line = next(
+        x
+        for x in markdown_table(rows, ["ferrum", "llama-server"]).splitlines()
+        if "cold: cached" in x
+    )
+    assert line.endswith("| 2000 [2000, 2000] | 0 [0, 0] |  |")
+
+
+def test_request_body_asks_every_server_for_fixed_lengths_its_own_way():
+    native = request_body("m", "p", 8, Dialect(), fixed=True)
+    assert native["ignore_eos"] is True and native["stream_options"] == {"include_usage": True}
+    assert "ignore_eos" not in request_body("m", "p", 8, Dialect(), fixed=False)
+    lcp = Dialect(ignore_eos="logit_bias", eog_token_ids=(1, 106), usage_in_stream=False)
+    body = request_body("m", "p", 8, lcp, fixed=True)
+    assert body["logit_bias"] == {"1": -1e9, "106": -1e9}
+    assert "ignore_eos" not in body and "stream_options" not in body
+
+
+def test_sample_gaps_and_ttft():
+    s = Sample(prompt="p", max_tokens=3, t_start=1.0, chunk_times=[1.5, 1.6, 1.9])
+    assert s.ttft_s == 0.5
+    assert s.gaps == pytest.approx([0.1, 0.3])
+
+
+def test_parse_ceiling_reads_jsonl_rows_among_log_lines():
+    out = (
+        "llama_batched_bench: n_kv_max = 8192\n"
+        '{"pp": 32, "tg": 64, "pl": 1, "speed_tg": 41.5}\n'
+        "noise\n"
+        '{"pp": 32, "tg": 64, "pl": 16, "speed_tg": 140.25}\n'
+    )
+    assert parse_ceiling(out) == {1: 41.5, 16: 140.25}
+
+
+def test_quick_preset_is_much_shorter_than_full():
+    workloads = ["sweep", "burst", "multiturn", "noisy", "engine"]
+    arms = [False, False, True]  # ferrum, llama-server, llama-cpp-python (serial)
+    full, quick = estimate_seconds(FULL, arms, workloads), estimate_seconds(QUICK, arms, workloads)
+    assert quick * 4 < full <= 40 * 60
