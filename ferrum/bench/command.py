@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {note}", file=sys.stderr)
     t0 = time.monotonic()
     with Progress(plan.steps()) as progress:
-        records = harness.run(plan, progress.update)
+        records = harness.run(plan, progress)
     meta = _meta(plan, preset)
     meta.update(
         elapsed=harness.elapsed_since(t0),

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -67,7 +67,10 @@ class Plan:
         return per_round * self.settings.rounds
 
 
-Reporter = Callable[[dict], None]
+class Reporter(Protocol):
+    def begin(self, what: str) -> None: ...  # a measurement starts: "r2 burst llama-server"
+
+    def update(self, record: dict) -> None: ...  # it ended (or failed): its record
 
 
 def run(plan: Plan, report: Reporter) -> list[dict]:
@@ -100,11 +103,16 @@ def _run_rounds(plan: Plan, report: Reporter, records: list[dict]) -> None:
                     fn = functools.partial(measure_engine, plan, side, round_no)
                 else:
                     fn = functools.partial(measure, plan, side, workload, round_no)
+                label = side if workload == "engine" else side.label
+                report.begin(f"r{round_no} {workload} {label}")
+                t0 = time.monotonic()
                 record = _with_retries(fn, plan.settings.retries)
+                # Whole cost incl. quiet wait, start, stop and re-runs: calibrates estimates.
+                record["duration_s"] = time.monotonic() - t0
                 records.append(record)
                 with open(journal, "a", encoding="utf-8") as f:
                     f.write(json.dumps(jsonable(record)) + "\n")
-                report(record)
+                report.update(record)
 
 
 def _with_retries(fn: Callable[[], dict], retries: int) -> dict:

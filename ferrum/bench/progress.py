@@ -45,6 +45,10 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
 
+    def begin(self, what: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description_str(what)
+
     def update(self, record: dict) -> None:
         self.done += 1
         line = summary_line(record)
@@ -54,4 +58,5 @@ class Progress:
             return
         elapsed = time.monotonic() - self.t0
         left = elapsed / self.done * (self.total - self.done)
-        print(f"[{self.done}/{self.total}, ~{left / 60:.0f} min left] {line}", file=sys.stderr)
+        eta = f"~{left:.0f} s" if left < 90 else f"~{left / 60:.0f} min"
+        print(f"[{self.done}/{self.total}, {eta} left] {line}", file=sys.stderr)

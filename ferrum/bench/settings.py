@@ -79,17 +79,20 @@ QUICK = BenchSettings(
 # ------------------------------------------------------------------ time estimate
 #
 # A deliberately plain model of a quiet 2-core machine running Gemma 3 270M, calibrated on
-# this project's runs: decode ~35 tok/s for one sequence, rising to ~120 tok/s at 16; prefill
-# ~450 tok/s; a server start plus the quiet check ~4 s. Serial arms (one request at a time)
-# decode every request alone. It is printed before the run so nobody starts a 40-minute job
-# by accident, and the real elapsed time is printed after it.
+# this project's runs: over HTTP ~30 tok/s for one stream, rising to ~105 tok/s at 16;
+# prefill ~450 tok/s; a server start, its warm-up request, the quiet check and the stop ~5 s.
+# A serial arm (llama-cpp-python) streams ~28 tok/s alone but ~18 tok/s while other requests
+# wait on it. Printed before the run so nobody starts a 40-minute job by accident; the real
+# elapsed time is printed after it.
 
 _PREFILL_TPS = 450.0
-_START_S = 4.0
+_START_S = 5.0
 
 
 def _decode_tps(concurrency: int, serial: bool) -> float:
-    return 35.0 if serial else 35.0 * min(concurrency, 16) ** 0.45
+    if serial:
+        return 28.0 if concurrency == 1 else 18.0
+    return 30.0 * min(concurrency, 16) ** 0.45
 
 
 def _tokens(n: int, tokens: int, concurrency: int, serial: bool) -> float:
