@@ -143,7 +143,7 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
             record.update(command=cmd, log=str(log))
             server = ServerProcess(cmd, log, plan.port)
             record["startup_s"] = server.wait_ready(base, arm.ready_path)
-        before = machine.snapshot(server.pid if server else None)
+        before = machine.snapshot(server.pid) if server else None
         try:
             raw, metrics = asyncio.run(
                 asyncio.wait_for(
@@ -151,7 +151,9 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
                 )
             )
         finally:
-            record["cpu"] = machine.usage(before, machine.snapshot(server.pid if server else None))
+            # A url server is not ours: its CPU would count as foreign, so no check there.
+            after = machine.snapshot(server.pid) if server else None
+            record["cpu"] = machine.usage(before, after)
         record.update(metrics=metrics, raw=raw)
     except Exception as exc:  # one failed measurement is reported, not fatal
         record["error"] = f"{type(exc).__name__}: {exc}".strip()
