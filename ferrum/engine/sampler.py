@@ -130,6 +130,14 @@ class Sampler:
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
         )
+        # Plain greedy: numpy's argmax picks what llama.cpp's greedy sampler would (the first
+        # of equal maxima) without building a candidate array over the whole vocabulary.
+        self._plain_greedy = (
+            params.greedy
+            and not params.logit_bias
+            and self._stateless_chain
+            and params.grammar is None
+        )
         if params.grammar is not None:
             try:
                 self._grammar = init_grammar(vocab, params.grammar)
@@ -144,7 +152,9 @@ class Sampler:
         dist = None if self._num_logprobs is None else _Distribution(logits, self._num_logprobs)
         if self._sampled < self._min_tokens and self._early_ban.size:
             logits[self._early_ban] = -np.inf  # llama.cpp's own logits buffer, read below
-        if self._grammar is None:
+        if self._plain_greedy:
+            token = int(np.argmax(logits))
+        elif self._grammar is None:
             token = ll.llama_sampler_sample(self._chain, ctx, index)
         else:
             token = self._sample_constrained(ctx, index, logits)

@@ -120,3 +120,11 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_llama):
         batched = run_to_completion(engine)
     assert alone == again == batched["a"]["tokens"]
     assert batched["b"]["tokens"] != alone
+
+
+def test_plain_greedy_shortcut_picks_what_the_sampler_chain_picks(tiny_llama):
+    # A zero bias keeps llama.cpp's chain in the loop without changing any logit.
+    with engine_for(tiny_llama) as engine:
+        shortcut = _run(engine, max_tokens=24, ignore_eos=True)["tokens"]
+        chain = _run(engine, max_tokens=24, ignore_eos=True, logit_bias=((0, 0.0),))["tokens"]
+    assert shortcut == chain
