@@ -64,22 +64,41 @@ def write_plots(tables: Tables, arms: Labels, s: BenchSettings, out: Path) -> li
     return written
 
 
+def _lines(
+    plt: Any,
+    rows: list[dict],
+    labels: list[str],
+    xs: list[int],
+    key: Callable[[int], str],
+    axes: tuple[str, str, str],
+) -> tuple[Any, Any]:
+    """One line per arm through the medians at `xs`, with [min, max] error bars; `axes` is
+    (x label, y label, title)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in labels:
+        med, err = _errors(_series(rows, [key(x) for x in xs], arm))
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=arm)
+    xlabel, ylabel, title = axes
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig, ax
+
+
 def _sweep(plt: Any, tables: Tables, arms: Labels, s: BenchSettings) -> Any:
     rows = tables.get("sweep")
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in arms["sweep"]:
-        spreads = _series(rows, [f"c{c}.tps" for c in s.sweep_levels], arm)
-        med, err = _errors(spreads)
-        ax.errorbar(s.sweep_levels, med, yerr=err, marker="o", capsize=3, label=arm)
+    levels = list(s.sweep_levels)
+    fig, ax = _lines(
+        plt, rows, arms["sweep"], levels, lambda c: f"c{c}.tps",
+        ("concurrent requests (unique prompts)", "aggregate output tok/s",
+         "Throughput vs concurrency (median, [min, max])"),
+    )  # fmt: skip
     ax.set_xscale("log", base=2)
-    ax.set_xticks(list(s.sweep_levels), [str(c) for c in s.sweep_levels])
-    ax.set_xlabel("concurrent requests (unique prompts)")
-    ax.set_ylabel("aggregate output tok/s")
-    ax.set_title("Throughput vs concurrency (median, [min, max])")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_xticks(levels, [str(c) for c in levels])
     return fig
 
 
@@ -126,17 +145,12 @@ def _multiturn(plt: Any, tables: Tables, arms: Labels, s: BenchSettings) -> Any:
     if not rows:
         return None
     turns = list(range(1, s.multiturn_turns + 1))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in arms["multiturn"]:
-        spreads = _series(rows, [f"turn{t}.ttft" for t in turns], arm)
-        med, err = _errors(spreads)
-        ax.errorbar(turns, med, yerr=err, marker="o", capsize=3, label=arm)
+    fig, ax = _lines(
+        plt, rows, arms["multiturn"], turns, lambda t: f"turn{t}.ttft",
+        ("turn (history grows with the real replies)", "TTFT (s)",
+         "Multi-turn TTFT by turn (median over conversations and rounds)"),
+    )  # fmt: skip
     ax.set_xticks(turns)
-    ax.set_xlabel("turn (history grows with the real replies)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("Multi-turn TTFT by turn (median over conversations and rounds)")
-    ax.grid(alpha=0.3)
-    ax.legend()
     return fig
 
 
@@ -144,14 +158,9 @@ def _engine(plt: Any, tables: Tables, arms: Labels, s: BenchSettings) -> Any:
     rows = tables.get("engine")
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in arms["engine"]:
-        spreads = _series(rows, [f"b{b}.tps" for b in s.engine_batches], arm)
-        med, err = _errors(spreads)
-        ax.errorbar(s.engine_batches, med, yerr=err, marker="o", capsize=3, label=arm)
-    ax.set_xlabel("sequences decoding at once")
-    ax.set_ylabel("decode tok/s")
-    ax.set_title("Decode loop: ferrum engine vs llama-batched-bench")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, _ = _lines(
+        plt, rows, arms["engine"], list(s.engine_batches), lambda b: f"b{b}.tps",
+        ("sequences decoding at once", "decode tok/s",
+         "Decode loop: ferrum engine vs llama-batched-bench"),
+    )  # fmt: skip
     return fig
