@@ -25,13 +25,13 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from ferrum.bench.arms import ServerProcess
 from ferrum.bench.stats import Spread, paired_ratio, verdict
 
 SCHEMA = {
@@ -89,18 +89,12 @@ async def _per_token_ms(client: httpx.AsyncClient, kind: str, tokens: int) -> fl
     return 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def _start(port: int, threads: int, log: Path) -> subprocess.Popen:
+def _start(port: int, threads: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "ferrum.cli", "serve", "--port", str(port)]
     cmd += ["--threads", str(threads), "--parallel", "8", "--ctx-size", "8192"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"ferrum did not start; see {log}")
+    server = ServerProcess(cmd, Path("/tmp/ferrum-bench-structured.log"), port)
+    server.wait_ready(f"http://127.0.0.1:{port}", "/health")
+    return server
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -145,12 +139,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/structured.json")
     args = parser.parse_args()
     args.url = f"http://127.0.0.1:{args.port}"
-    proc = _start(args.port, args.threads, Path("/tmp/ferrum-bench-structured.log"))
+    server = _start(args.port, args.threads)
     try:
         samples = asyncio.run(_run(args))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     Path(args.out).write_text(json.dumps({"args": vars(args), "samples": samples}, indent=1))
     print("\n".join(_report(samples)))
 
