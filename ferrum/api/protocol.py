@@ -31,7 +31,9 @@ StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict: a JSON value of the wrong type is refused rather than coerced (true is not 1, 2.5
+    # is not 2), so requests mean what the OpenAPI schema says.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class TextPart(_Body):
