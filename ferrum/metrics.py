@@ -106,6 +106,12 @@ class Metrics(EngineObserver):
         self.prefix_evictions = Counter(
             "ferrum_prefix_cache_evictions", "Parked sequences evicted for room", registry=r
         )
+        self.window_fallbacks = Counter(
+            "ferrum_prefix_cache_window_fallbacks",
+            "Admissions that could not copy their longest match: its donor had lost part of "
+            "the sliding window (another owner or a fresh prefill served them)",
+            registry=r,
+        )
         self.parked = Gauge(
             "ferrum_prefix_cache_parked_sequences",
             "Finished sequences kept for reuse",
@@ -154,6 +160,10 @@ class Metrics(EngineObserver):
         self.parked_blocks.set(stats.parked_blocks)
         if stats.evictions_total > self._last.evictions_total:
             self.prefix_evictions.inc(stats.evictions_total - self._last.evictions_total)
+        if stats.window_fallbacks_total > self._last.window_fallbacks_total:
+            self.window_fallbacks.inc(
+                stats.window_fallbacks_total - self._last.window_fallbacks_total
+            )
         self._last = stats
 
     def snapshot(self) -> dict[str, float | int]:
@@ -168,6 +178,7 @@ class Metrics(EngineObserver):
                 "parked_sequences": last.parked_sequences,
                 "blocks": last.parked_blocks,
                 "evictions": last.evictions_total,
+                "window_fallbacks": last.window_fallbacks_total,
                 **self._prefix_totals,
             },
         }

@@ -82,6 +82,8 @@ class FakeRunner:
     cleared: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
+    # Sequences whose sliding window has lost cells: `holds_window` refuses copies from them.
+    lost_windows: set[int] = field(default_factory=set)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -119,6 +121,9 @@ class FakeRunner:
             raise AssertionError(f"copy of {length} positions from seq {src}, which has fewer")
         self.kv[dst] = self.kv[src][:length]
         self.copies.append((src, dst, length))
+
+    def holds_window(self, seq_id: int, length: int) -> bool:
+        return seq_id not in self.lost_windows
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         n = sum(len(i.tokens) for i in items)

@@ -8,6 +8,9 @@ milliseconds:
 * ``write_tiny_llama`` - a dense 2-layer llama (GQA attention) with a ChatML
   chat template.
 * ``write_tiny_mamba`` - a 2-layer Mamba-1 recurrent model, no chat template.
+* ``write_tiny_gemma3`` - a 2-layer Gemma 3 whose first layer has a sliding window of
+  8 positions (the real one: 512 on 5 of 6 layers), so window cells are recycled within
+  a few dozen tokens.
 
 Both share a byte-level BPE ("gpt2") tokenizer, so any UTF-8 text round-trips
 through tokenize/detokenize. The weights are random, so the generated text is
@@ -171,6 +174,21 @@ def _llama_layer(
     }
 
 
+def _gemma3_layer(
+    rng: np.random.Generator, i: int, n_head: int, n_head_kv: int, n_ff: int, head_dim: int
+) -> dict[str, np.ndarray]:
+    tensors = _llama_layer(rng, i, n_head_kv, n_ff, head_dim)
+    tensors[f"blk.{i}.attn_q.weight"] = _normal(rng, n_head * head_dim, N_EMBD, std=N_EMBD**-0.5)
+    tensors[f"blk.{i}.attn_output.weight"] = _normal(
+        rng, N_EMBD, n_head * head_dim, std=(n_head * head_dim) ** -0.5
+    )
+    for norm in ("attn_q_norm", "attn_k_norm"):
+        tensors[f"blk.{i}.{norm}.weight"] = np.ones(head_dim, dtype=np.float32)
+    for norm in ("post_attention_norm", "post_ffw_norm"):
+        tensors[f"blk.{i}.{norm}.weight"] = np.ones(N_EMBD, dtype=np.float32)
+    return tensors
+
+
 def _mamba_layer(
     rng: np.random.Generator, i: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int
 ) -> dict[str, np.ndarray]:
@@ -255,5 +273,29 @@ def write_tiny_mamba(path: pathlib.Path) -> pathlib.Path:
     tensors = _common_tensors(rng)
     for i in range(N_LAYER):
         tensors |= _mamba_layer(rng, i, d_inner, d_state, d_conv, dt_rank)
+    _save(writer, tensors)
+    return path
+
+
+def write_tiny_gemma3(path: pathlib.Path, sliding_window: int = 8) -> pathlib.Path:
+    """Write a 2-layer Gemma 3: layer 0 attends to the last `sliding_window` positions only,
+    layer 1 to all of them (Gemma 3's pattern, 1 dense layer in 6, shrunk to 1 in 2)."""
+    n_head, n_head_kv, n_ff, head_dim = 4, 1, 128, 16
+    path = pathlib.Path(path)
+    writer = _new_writer(path, "gemma3")
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(sliding_window)
+    writer.add_uint32("gemma3.attention.sliding_window_pattern", 2)
+    _add_tokenizer(writer, CHATML_TEMPLATE)
+
+    rng = np.random.default_rng(SEED)
+    tensors = _common_tensors(rng)
+    for i in range(N_LAYER):
+        tensors |= _gemma3_layer(rng, i, n_head, n_head_kv, n_ff, head_dim)
     _save(writer, tensors)
     return path

@@ -246,6 +246,7 @@ class LLMEngine:
         stats.parked_sequences = len(self.kv.parked)
         stats.parked_blocks = self.kv.parked.num_blocks
         stats.evictions_total = self.kv.evictions
+        stats.window_fallbacks_total = self.kv.window_fallbacks
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []

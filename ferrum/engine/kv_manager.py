@@ -13,6 +13,15 @@ The scheduler decides *when* a request runs; this module decides *where its KV c
              as the new request's sequence (multi-turn chats; the only reuse that recurrent and
              hybrid models allow, since their state cannot be copied or rolled back)
 
+Sliding-window models (Gemma 3) keep a second cache for their windowed layers, where llama.cpp
+recycles a cell once its only owner has moved `n_swa` positions past it. A parked or running
+sequence therefore keeps its own recent window but may lose older window cells at any time.
+Takeover is always safe; a copy of the first L positions is taken only while the donor still
+holds [max(0, L - n_swa + 1), L) (`KvOps.holds_window`), and checked again on the copy:
+
+    donor's window cache   0 ··· [recycled] ··· L-n_swa+1 ············ L ····· newest
+    copy of [0, L) needs                        |<-- every position -->|
+
 A donor that is still prefilling the shared prefix makes the newcomer wait (`plan` returns
 None) instead of computing the prefix twice. Reuse always leaves at least the last prompt
 token to compute, since logits exist only for tokens in a batch.
@@ -25,6 +34,7 @@ running request never loses a prefix it depends on.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,12 +50,19 @@ class KvOps(Protocol):
 
     def copy_sequence(self, src: int, dst: int, length: int) -> None: ...
 
+    def holds_window(self, seq_id: int, length: int) -> bool:
+        """Whether seq_id still holds every position a copy of its first `length` needs to
+        attend from position `length` on (always, on a model without a sliding window)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Reuse:
     donor: Request | Parked | None = None
     length: int = 0
     takeover: bool = False
+    # Longer matches passed over because their donor had lost part of the sliding window.
+    window_refusals: int = 0
 
 
 _FRESH = Reuse()
@@ -68,27 +85,38 @@ class KVManager:
         self.index = PrefixIndex(blocks.block_size)
         self.parked = ParkedLRU()
         self.evictions = 0
+        self.window_fallbacks = 0  # admissions that reused less because a window had holes
 
     # -- admission --------------------------------------------------------------------------
 
     def plan(self, req: Request) -> Reuse | None:
-        """Where req's KV comes from; None: wait, a running donor is computing the prefix."""
+        """Where req's KV comes from; None: wait, a running donor is computing the prefix.
+
+        Owners are tried longest match first. On a sliding-window model a donor's old window
+        cells can be recycled by llama.cpp while it is parked or decoding on, so a partial
+        copy is taken only from a donor that still holds the newcomer's whole window; else
+        the next owner (a shorter match) is tried, and only then a fresh prefill.
+        """
         if not self.prefix_cache:
             return _FRESH
-        match = self.index.match(req.all_token_ids)
-        length = min(match.length, req.num_tokens - 1)
-        donor = match.owner
-        if donor is None or length <= 0:
-            return _FRESH
-        if isinstance(donor, Parked):
-            if length == len(donor.token_ids):
-                return Reuse(donor, length, takeover=True)
-            return Reuse(donor, length) if self.share_cells else _FRESH
-        if not self.share_cells:
-            return _FRESH
-        if donor.num_computed_tokens < length:
-            return None
-        return Reuse(donor, length)
+        refused = 0
+        for match in self.index.matches(req.all_token_ids):
+            length = min(match.length, req.num_tokens - 1)
+            if length <= 0:
+                break
+            donor = match.owner
+            if isinstance(donor, Parked) and length == len(donor.token_ids):
+                # Continuing the owner itself: a sequence always keeps its own recent window.
+                return Reuse(donor, length, takeover=True, window_refusals=refused)
+            if not self.share_cells:
+                continue
+            if isinstance(donor, Request) and donor.num_computed_tokens < length:
+                return None
+            if not self.kv.holds_window(donor.seq_id, length):  # type: ignore[arg-type]
+                refused += 1
+                continue
+            return Reuse(donor, length, window_refusals=refused)  # type: ignore[arg-type]
+        return Reuse(window_refusals=refused) if refused else _FRESH
 
     def admit(self, req: Request, reuse: Reuse, keep_free: int = 0) -> bool:
         """Gives req a sequence and blocks for all its tokens (+1), or changes nothing."""
@@ -106,6 +134,19 @@ class KVManager:
             if exclude is None or need + len(exclude.page_table.blocks) <= self.blocks.num_blocks:
                 return False
             return self.admit(req, _FRESH, keep_free)
+        try:
+            self._attach(req, reuse)
+        except BaseException:
+            self._detach(req)  # a failed admission must not keep a sequence id or blocks
+            raise
+        req.num_cached_tokens = req.num_computed_tokens = reuse.length
+        if reuse.window_refusals:
+            self.window_fallbacks += 1
+        if self.prefix_cache:
+            self.index.add(req)
+        return True
+
+    def _attach(self, req: Request, reuse: Reuse) -> None:
         if reuse.takeover:
             self._take_over(req, reuse.donor)  # type: ignore[arg-type]
         else:
@@ -114,10 +155,13 @@ class KVManager:
                 self._copy_from(req, reuse.donor, reuse.length)
         if not self.blocks.grow(req.page_table, req.num_tokens):
             raise IntegrityError("admission made room but the ledger refused the blocks")
-        req.num_cached_tokens = req.num_computed_tokens = reuse.length
-        if self.prefix_cache:
-            self.index.add(req)
-        return True
+
+    def _detach(self, req: Request) -> None:
+        self.blocks.release(req.page_table)
+        if req.seq_id is not None:
+            self.kv.clear_sequence(req.seq_id)
+            self.seq_ids.release(req.seq_id)
+            req.seq_id = None
 
     def _take_over(self, req: Request, parked: Parked) -> None:
         self.parked.remove(parked)
@@ -133,12 +177,29 @@ class KVManager:
         req.page_table = self.blocks.fork(donor.page_table, length)
         if isinstance(donor, Parked):
             self.parked.touch(donor)
+        if not self.kv.holds_window(req.seq_id, length):  # type: ignore[arg-type]
+            raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
 
     def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
+        """Evicts parked sequences (oldest first) until `blocks` blocks and, if asked, a
+        sequence id are free; evicts nothing when even evicting all of them would not do."""
+        if not self._room_possible(blocks, exclude, need_seq):
+            return False
         while self.blocks.num_free < blocks or (need_seq and self.seq_ids.num_free == 0):
             if not self.evict_one(exclude):
-                return False
+                raise IntegrityError("eviction freed less than the ledger promised")
         return True
+
+    def _room_possible(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
+        free, seqs = self.blocks.num_free, self.seq_ids.num_free
+        if free >= blocks and (seqs > 0 or not need_seq):
+            return True
+        victims = [p for p in self.parked if p is not exclude]
+        # A block returns to the free list only when every holder is evicted: running
+        # requests (and the excluded donor) keep theirs.
+        held = Counter(b for p in victims for b in p.page_table.blocks)
+        freeable = sum(1 for b, n in held.items() if self.blocks.ref_count(b) == n)
+        return free + freeable >= blocks and (seqs + len(victims) > 0 or not need_seq)
 
     # -- growth, release --------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class StepStats:
     parked_sequences: int = 0
     parked_blocks: int = 0
     evictions_total: int = 0
+    window_fallbacks_total: int = 0  # copies refused for a sliding window with holes
     queue_depth: int = 0
     active_requests: int = 0
     ttfts: list[float] = field(default_factory=list)

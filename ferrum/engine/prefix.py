@@ -80,30 +80,37 @@ class PrefixIndex:
             if not owners:
                 del self._owners_by_hash[h]
 
-    def match(self, tokens: list[int], exclude: Owner | None = None) -> Match:
-        """The owner sharing the longest prefix with `tokens` (at least one full block)."""
+    def matches(self, tokens: list[int]) -> Iterator[Match]:
+        """Every owner sharing at least one full block with `tokens`, longest match first
+        (parked before running on a tie: only a parked owner can be taken over).
+
+        Lazy: the planner usually takes the first; it reads further only when a donor cannot
+        serve its match (a sliding window that lost cells), so a shallower owner (a shared
+        system prompt) is still found then.
+        """
         bs = self.block_size
-        h, depth, candidates = 0, 0, None
+        levels: list[dict[int, Owner]] = []
+        h = 0
         for i in range(len(tokens) // bs):
             h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
             owners = self._owners_by_hash.get(h)
             if not owners:
                 break
-            candidates, depth = owners, i + 1
-        if candidates is None:
-            return _NO_MATCH
-        best = _NO_MATCH
-        full = depth * bs
-        for owner in candidates.values():
-            if owner is exclude:
-                continue
-            own = owner.token_ids
-            if own[:full] != tokens[:full]:
-                continue  # hash collision
-            n = full + _common_prefix(own, tokens, full)
-            if n > best.length or (n == best.length and isinstance(owner, Parked)):
-                best = Match(owner, n)
-        return best
+            levels.append(owners)
+        seen: set[int] = set()
+        for depth in range(len(levels), 0, -1):
+            full = depth * bs
+            found = []
+            for key, owner in levels[depth - 1].items():
+                if key in seen:
+                    continue
+                seen.add(key)
+                own = owner.token_ids
+                if own[:full] != tokens[:full]:
+                    continue  # hash collision
+                found.append(Match(owner, full + _common_prefix(own, tokens, full)))
+            found.sort(key=lambda m: (-m.length, not isinstance(m.owner, Parked)))
+            yield from found
 
 
 def _common_prefix(a: list[int], b: list[int], start: int) -> int:

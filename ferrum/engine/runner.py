@@ -67,7 +67,6 @@ class LlamaRunner:
         self._piece_cache: dict[int, bytes] = {}
         self._eog_cache: dict[int, bool] = {}
         self._end_tokens: list[int] | None = None
-        self._mem = ll.llama_get_memory(self._ctx)
         self._fault_rate = config.inject_faults
         self._faults = random.Random(0)  # the same faults in the same traffic
         if self._fault_rate > 0:
@@ -82,22 +81,28 @@ class LlamaRunner:
         # n_ubatch == n_batch: one llama_decode is one micro-batch, so a failed decode has
         # committed nothing to the KV cache and the step can be retried or split safely.
         cparams.n_ubatch = config.batch_size
-        # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse.
-        cparams.n_seq_max = config.parallel * (1 if config.no_prefix_cache else 2)
+        # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse; a model
+        # with a sliding window gets one more, the probe that `holds_window` copies into.
+        n_seq = config.parallel * (1 if config.no_prefix_cache else 2)
+        windowed = ll.llama_model_n_swa(self._model) > 0 and not config.no_prefix_cache
+        cparams.n_seq_max = n_seq + (1 if windowed else 0)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
         # One cell pool for all sequences: any request may use the whole context, and cells can
         # be shared between sequences without copying.
         cparams.kv_unified = True
-        # Sliding-window layers keep every position: a prefix reused from a sequence that has
-        # moved past the window (Gemma 3: 512) would otherwise have lost the cells it needs.
+        # The window cache as large as the main one, so both run out of cells together and the
+        # block ledger (which counts cells once) holds for both. It does not keep old window
+        # positions: llama.cpp still recycles those (see `holds_window`).
         cparams.swa_full = True
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
         self._n_batch = ll.llama_n_batch(self._ctx)
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._window = _WindowProbe(self, n_seq) if windowed else None
 
     def _meta(self, key: str) -> str:
         buf = ctypes.create_string_buffer(512)
@@ -120,7 +125,7 @@ class LlamaRunner:
             n_ctx=ll.llama_n_ctx(self._ctx),
             n_ctx_train=ll.llama_model_n_ctx_train(self._model),
             n_batch=self._n_batch,
-            n_seq_max=ll.llama_n_seq_max(self._ctx),
+            n_seq_max=ll.llama_n_seq_max(self._ctx) - (self._window is not None),
             n_vocab=self._n_vocab,
             n_swa=ll.llama_model_n_swa(self._model),
             threads=threads,
@@ -198,6 +203,11 @@ class LlamaRunner:
             raise ValueError("recurrent state cannot be shared between sequences")
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
 
+    def holds_window(self, seq_id: int, length: int) -> bool:
+        """Whether seq_id still holds, in the sliding-window cache, every position that a
+        copy of its first `length` positions attends to from position `length` on."""
+        return self._window is None or self._window.holds(seq_id, length)
+
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         """Decodes all items in one llama_decode and samples where asked."""
         result = StepResult()
@@ -274,3 +284,78 @@ class LlamaRunner:
         if self._model is not None:
             ll.llama_model_free(self._model)
             self._model = None
+
+
+# The window cache alone (PARTIAL_ONLY), sized without its tensor data (ON_DEVICE skips it).
+_WINDOW_STATE_FLAGS = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY | ll.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
+
+
+class _WindowProbe:
+    """Counts which positions a sequence still holds in the sliding-window cache.
+
+    llama.cpp's window cache recycles a cell once its only owner's newest position is `n_swa`
+    or more past it, in cell order, not position order: a donor can lose positions above its
+    lowest one, so `llama_memory_seq_pos_min` alone cannot prove a window whole. What can be
+    counted is a sequence's cells there: the size of its window-cache state without tensor
+    data is affine in that count. So the positions in question are copied (metadata only)
+    into a probe sequence of their own, counted, and removed again:
+
+        donor      [0 ········ lo ·········· L) ··· newest
+        probe                  [lo ········· L)      whole iff it holds L - lo cells
+
+    The count covers only cells the probe's own window has not left behind, and the probe's
+    newest position is below L, so every cell it holds is counted.
+    """
+
+    def __init__(self, runner: LlamaRunner, probe_seq: int):
+        self._ctx, self._mem, self._probe = runner._ctx, runner._mem, probe_seq
+        self._n_swa = ll.llama_model_n_swa(runner._model)
+        # Llama 4 windows are chunks: position p sees back to the start of its own chunk.
+        self._chunked = runner._meta("general.architecture") == "llama4"
+        self._empty, self._base, self._per_cell = self._calibrate(runner)
+
+    def holds(self, seq_id: int, length: int) -> bool:
+        if self._chunked:
+            lo = length // self._n_swa * self._n_swa
+        else:
+            lo = max(0, length - self._n_swa + 1)
+        if lo >= length:
+            return True
+        ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
+        try:
+            return self._cells(self._probe) == length - lo
+        finally:
+            ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
+
+    def _size(self, seq: int) -> int:
+        return ll.llama_state_seq_get_size_ext(self._ctx, seq, _WINDOW_STATE_FLAGS)
+
+    def _cells(self, seq: int) -> int:
+        size = self._size(seq)
+        if size == self._empty:
+            return 0
+        cells, rest = divmod(size - self._base, self._per_cell)
+        if rest or cells <= 0:
+            raise RuntimeError(f"window-cache state of {size} bytes is no whole number of cells")
+        return cells
+
+    def _calibrate(self, runner: LlamaRunner) -> tuple[int, int, int]:
+        """Sizes of the probe's state at 0, 1 and 2 cells, from a two-token decode."""
+        empty = self._size(self._probe)
+        batch = runner._batch
+        for i in range(2):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = 0, i, 1
+            batch.seq_id[i][0], batch.logits[i] = self._probe, i
+        batch.n_tokens = 2
+        try:
+            if ll.llama_decode(self._ctx, batch) != 0:
+                raise ModelLoadError("llama.cpp could not decode two tokens at start-up")
+            two = self._size(self._probe)
+            ll.llama_memory_seq_rm(self._mem, self._probe, 1, -1)
+            one = self._size(self._probe)
+        finally:
+            ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
+        per_cell = two - one
+        if per_cell <= 0 or one <= empty:
+            raise ModelLoadError("cannot measure the sliding-window cache of this model")
+        return empty, one - per_cell, per_cell

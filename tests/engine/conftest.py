@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import write_tiny_llama, write_tiny_mamba
+from tests.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mamba
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,11 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_mamba(tmp_path_factory) -> str:
     return str(write_tiny_mamba(tmp_path_factory.mktemp("models") / "tiny-mamba.gguf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    return str(write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf"))
 
 
 @pytest.fixture(params=["llama", "mamba"])

@@ -191,6 +191,19 @@ def test_health_and_metrics(client):
         assert name in m, name
 
 
+def test_window_fallbacks_reach_health_and_metrics():
+    """A prefix whose donor lost part of its sliding window is recomputed, and said so."""
+    runner = FakeRunner()
+    with TestClient(fake_app(runner)) as c:
+        body = _chat(messages=[{"role": "user", "content": "a question long enough " * 3}])
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        runner.lost_windows.update(range(runner.info.n_seq_max))
+        again = c.post("/v1/chat/completions", json=body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert c.get("/health").json()["prefix_cache"]["window_fallbacks"] == 1
+        assert "ferrum_prefix_cache_window_fallbacks_total 1.0" in c.get("/metrics").text
+
+
 def test_engine_fault_mid_request_is_an_error_not_an_empty_200():
     runner = FakeRunner()
     runner.fail_seqs.add(0)
@@ -281,3 +294,4 @@ def test_metrics_can_be_public_while_the_api_needs_a_key():
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
     with TestClient(fake_app(api_keys=("k",))) as c:
         assert c.get("/metrics").status_code == 401
+

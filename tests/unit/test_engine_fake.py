@@ -190,3 +190,46 @@ def test_a_parked_sequence_holding_every_block_never_blocks_admission():
         assert res[rid]["final"].finish_reason == "length"
         contents.append(res[rid]["content"])
     assert contents[0] == contents[1]
+
+
+def test_a_request_that_cannot_fit_evicts_no_parked_sequence():
+    """A large request waiting for running ones to finish must not empty the prefix cache:
+    eviction starts only when evicting would make room."""
+    runner = FakeRunner(info=model_info(n_ctx=256, n_batch=64, n_seq_max=8))
+    engine = fake_engine(runner)  # 16 blocks of 16
+    for i in range(2):  # two parked sequences of 3 blocks each
+        engine.add_request(f"p{i}", byte_tokenize(f"{i} parked " * 4), sampling(max_tokens=4))
+    run_to_completion(engine)
+    parked = {p.seq_id for p in engine.kv.parked}
+    assert len(parked) == 2
+    engine.add_request("long", byte_tokenize("x" * 60), sampling(max_tokens=30))  # 4-6 blocks
+    for _ in range(3):
+        engine.step()
+    # 13 blocks: more than the free ones (6) and the parked ones (6) while "long" runs.
+    engine.add_request("big", byte_tokenize("y" * 200), sampling(max_tokens=2))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["big"]
+    assert {p.seq_id for p in engine.kv.parked} == parked  # nothing evicted in vain
+    assert engine.kv.evictions == 0
+    res = run_to_completion(engine)
+    assert res["big"]["final"].finish_reason == "length"
+
+
+def test_a_failed_admission_keeps_no_sequence_id_or_block():
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    prompt = byte_tokenize("the same long enough prompt, twice over")
+    engine.add_request("a", prompt, sampling())
+    run_to_completion(engine)
+
+    def broken_copy(src: int, dst: int, length: int) -> None:
+        raise RuntimeError("llama.cpp refused the copy")
+
+    runner.copy_sequence = broken_copy  # type: ignore[method-assign]
+    engine.add_request("b", prompt + byte_tokenize(" more", add_special=False), sampling())
+    with pytest.raises(RuntimeError, match="refused the copy"):
+        engine.step()
+    engine.fail_all("engine fault")
+    engine.check_integrity()
+    kv = engine.kv
+    assert kv.seq_ids.num_free == kv.seq_ids.size - len(kv.parked)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
+from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
@@ -83,12 +84,13 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 class EngineMachine(RuleBasedStateMachine):
+    """Over the fake runner; subclasses put a real llama.cpp model under the same traffic."""
+
+    bos = BOS
+
     def __init__(self) -> None:
         super().__init__()
-        # 16 blocks of 8 positions for 3 running + 3 parked sequences: admission waits,
-        # parked sequences get evicted and growing requests get preempted.
-        self.runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
-        self.engine = fake_engine(self.runner, block_size=8)
+        self.runner, self.engine = self.make_engine()
         self.front = _PumpedAsyncEngine(self.engine, max_queue=8)
         self.clients: dict[str, _Client] = {}
         # Engine-side news per request, before AsyncEngine drops what hung-up clients miss.
@@ -98,6 +100,16 @@ class EngineMachine(RuleBasedStateMachine):
         self.ids = count()
         self.rejected = 0
 
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        # 16 blocks of 8 positions for 3 running + 3 parked sequences: admission waits,
+        # parked sequences get evicted and growing requests get preempted.
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        return runner, fake_engine(runner, block_size=8)
+
+    def expected(self, prompt: list[int], n: int) -> list[int]:
+        """The oracle: the tokens `prompt` alone gives, greedy, when nothing else runs."""
+        return expected_tokens(prompt, n)
+
     # -- drawing ----------------------------------------------------------------------------
 
     def _draw_prompt(self, data: st.DataObject) -> list[int]:
@@ -106,7 +118,7 @@ class EngineMachine(RuleBasedStateMachine):
         if kind == "turn" and self.turns:  # a chat's next turn, often still parked
             prompt = data.draw(st.sampled_from(self.turns[-3:]), label="conversation") + tail
         elif kind in ("fresh", "turn") or not self.histories:
-            prompt = [BOS, *tail]
+            prompt = [self.bos, *tail]
         else:
             earlier = data.draw(st.sampled_from(self.histories), label="earlier")
             if kind == "same":
@@ -116,7 +128,7 @@ class EngineMachine(RuleBasedStateMachine):
             else:  # the same beginning, then something else
                 cut = data.draw(st.integers(1, len(earlier)), label="cut")
                 prompt = earlier[:cut] + tail
-        return prompt[: self.engine.max_positions * 3 // 4] or [BOS]
+        return prompt[: self.engine.max_positions * 3 // 4] or [self.bos]
 
     def _pick(self, data: st.DataObject, ids: list[str]) -> _Client:
         return self.clients[data.draw(st.sampled_from(sorted(ids)), label="request")]
@@ -163,7 +175,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.front.abort(client.request_id)
         client.hung_up = True
 
-    @precondition(lambda self: self.engine.scheduler.running)
+    @precondition(lambda self: self.engine.scheduler.running and hasattr(self.runner, "fail_seqs"))
     @rule(data=st.data())
     def fail_next_decode(self, data: st.DataObject) -> None:
         running = sorted(r.seq_id for r in self.engine.scheduler.running)
@@ -204,12 +216,13 @@ class EngineMachine(RuleBasedStateMachine):
             c = self.clients[rid]
             tokens = [t for o in outs for t in o.token_ids]
             assert outs[-1].finish_reason == "length"  # the fake model never stops by itself
-            assert tokens == expected_tokens(c.prompt, c.max_tokens), rid
+            assert tokens == self.expected(c.prompt, c.max_tokens), rid
             if not c.hung_up:
                 assert c.tokens == tokens and c.finish_reason == "length", rid
 
     def teardown(self) -> None:
-        self.runner.fail_seqs.clear()
+        if isinstance(self.runner, FakeRunner):
+            self.runner.fail_seqs.clear()
         for _ in range(2_000):
             if self.front.idle:
                 break
@@ -228,7 +241,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.check_integrity()
         assert kv.blocks.num_free == kv.blocks.num_blocks
         assert kv.seq_ids.num_free == kv.seq_ids.size
-        assert all(s.closed for s in self.runner.samplers)
+        if isinstance(self.runner, FakeRunner):
+            assert all(s.closed for s in self.runner.samplers)
 
 
 EngineMachine.TestCase.settings = settings(

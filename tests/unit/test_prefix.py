@@ -31,21 +31,38 @@ def _fresh(prompt: str, max_tokens: int = 8) -> str:
     return _run(fake_engine(prefix_cache=False), {"r": prompt}, max_tokens)["r"]["content"]
 
 
+def _best(idx: PrefixIndex, tokens: list[int]) -> tuple[object, int]:
+    m = next(idx.matches(tokens), None)
+    return (None, 0) if m is None else (m.owner, m.length)
+
+
 def test_index_matches_longest_prefix_token_by_token():
     idx = PrefixIndex(4)
     a = Parked(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     b = Parked(1, [1, 2, 3, 4, 5, 6, 0, 0])
     idx.add(a)
     idx.add(b)
-    m = idx.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-    assert (m.owner, m.length) == (a, 9)
-    m = idx.match([1, 2, 3, 4, 5, 6, 0, 1])
-    assert (m.owner, m.length) == (b, 7)
-    assert idx.match([1, 2, 3]).owner is None  # less than one block never matches
+    assert _best(idx, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == (a, 9)
+    assert _best(idx, [1, 2, 3, 4, 5, 6, 0, 1]) == (b, 7)
+    assert _best(idx, [1, 2, 3]) == (None, 0)  # less than one block never matches
     idx.remove(a)
-    assert idx.match([1, 2, 3, 4, 5, 6, 7, 8]).owner is b
+    assert _best(idx, [1, 2, 3, 4, 5, 6, 7, 8]) == (b, 6)
     idx.remove(b)
-    assert len(idx) == 0 and idx.match([1, 2, 3, 4]).owner is None
+    assert len(idx) == 0 and _best(idx, [1, 2, 3, 4]) == (None, 0)
+
+
+def test_index_lists_every_owner_of_a_prefix_longest_first():
+    """A donor that cannot serve its match leaves the planner the next owner, down to owners
+    that share only the first block (a common system prompt)."""
+    idx = PrefixIndex(4)
+    short = Parked(0, [1, 2, 3, 4, 9, 9, 9, 9])
+    long_ = Parked(1, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    sibling = Parked(2, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    for owner in (short, long_, sibling):
+        idx.add(owner)
+    found = [(m.owner, m.length) for m in idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
+    assert found == [(long_, 9), (sibling, 8), (short, 4)]
+    assert [m.owner for m in idx.matches([1, 2, 3, 5])] == []
 
 
 def test_identical_prompt_reuses_all_but_the_last_token():
@@ -152,3 +169,26 @@ def test_random_shared_prefix_workloads_keep_the_ledger_and_the_outputs(plan):
     engine.kv.drop_parked()
     engine.check_integrity()
     assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
+
+
+def test_a_donor_that_lost_its_window_gives_way_to_the_next_owner():
+    """On a sliding-window model a donor may have lost window cells (`holds_window` False): the
+    planner takes the next owner of the prefix, then a fresh prefill, and counts the fallback."""
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    _run(engine, {"a": SYSTEM + "first question"})
+    second = _run(engine, {"c": SYSTEM + "second question"})
+    assert second["c"]["final"].cached_tokens > 0  # c copied the system prompt from a
+    a_seq = runner.copies[-1][0]
+    runner.lost_windows.add(a_seq)
+    shared = second["c"]["final"].cached_tokens
+    third = _run(engine, {"b": SYSTEM + "third question"})["b"]
+    assert third["final"].cached_tokens == shared  # from c
+    assert runner.copies[-1][0] != a_seq
+    assert engine.kv.window_fallbacks == 1
+    assert third["content"] == _fresh(SYSTEM + "third question")
+    runner.lost_windows |= {p.seq_id for p in engine.kv.parked}
+    fourth = _run(engine, {"d": SYSTEM + "fourth question"})["d"]
+    assert fourth["final"].cached_tokens == 0
+    assert engine.kv.window_fallbacks == 2
+    assert fourth["content"] == _fresh(SYSTEM + "fourth question")

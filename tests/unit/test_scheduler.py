@@ -16,6 +16,9 @@ class _NoKv:
     def copy_sequence(self, src: int, dst: int, length: int) -> None:
         raise AssertionError("no reuse without a prefix cache")
 
+    def holds_window(self, seq_id: int, length: int) -> bool:
+        raise AssertionError("no reuse without a prefix cache")
+
 
 def _sched(num_blocks: int, block_size: int, max_running: int, budget: int, **kw) -> Scheduler:
     kv = KVManager(BlockManager(num_blocks, block_size), _NoKv(), max_running, prefix_cache=False)

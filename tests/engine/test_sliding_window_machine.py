@@ -1,0 +1,86 @@
+"""The engine state machine on a real sliding-window model: tiny Gemma 3, window 8.
+
+Same random traffic as `tests/unit/test_engine_state_machine.py` (prompts that repeat, extend
+and branch off earlier ones; n > 1; hang-ups; next turns of conversations), on llama.cpp
+itself: with a context of 128 cells and a window of 8, window cells of parked and running
+sequences are recycled within a few steps, so every kind of prefix copy meets donors with
+holes. Oracles: greedy output equals the prompt decoded alone on a model without prefix reuse,
+and every running sequence holds the whole window it decodes from.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
+
+from ferrum.config import EngineConfig
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.runner import LlamaRunner
+from tests.factories import run_to_completion, sampling
+from tests.tiny_models import BOS_ID
+from tests.unit.test_engine_state_machine import EngineMachine
+
+CTX, PARALLEL, BATCH, BLOCK = 128, 3, 24, 8
+
+
+class _Oracle:
+    """Greedy tokens of a prompt decoded alone, on a runner without prefix reuse (cached)."""
+
+    def __init__(self, path: str):
+        cfg = EngineConfig(
+            ctx_size=CTX, parallel=1, batch_size=BATCH, threads=2, no_prefix_cache=True
+        )
+        self.engine = LLMEngine(LlamaRunner(cfg, path), block_size=BLOCK, prefix_cache=False)
+        self.known: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(self, prompt: list[int], n: int) -> list[int]:
+        have = self.known.get(tuple(prompt), [])
+        if len(have) < n:
+            self.engine.add_request("oracle", prompt, sampling(max_tokens=n, ignore_eos=True))
+            have = self.known[tuple(prompt)] = run_to_completion(self.engine)["oracle"]["tokens"]
+        return have[:n]
+
+
+class SlidingWindowMachine(EngineMachine):
+    bos = BOS_ID
+    path: str = ""
+    oracle: _Oracle | None = None
+
+    def make_engine(self):
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2)
+        runner = LlamaRunner(cfg, self.path)
+        return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
+
+    def expected(self, prompt: list[int], n: int) -> list[int]:
+        assert self.oracle is not None
+        return self.oracle.tokens(prompt, n)
+
+    @invariant()
+    def running_sequences_hold_their_window(self) -> None:
+        for req in self.engine.scheduler.running:
+            if req.num_computed_tokens:
+                assert self.runner.holds_window(req.seq_id, req.num_computed_tokens), (
+                    f"{req.request_id} decodes over a hole in its window"
+                )
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            self.runner.close()
+
+
+def test_sliding_window_state_machine(tiny_gemma3):
+    path = SlidingWindowMachine.path = tiny_gemma3
+    SlidingWindowMachine.oracle = _Oracle(path)
+    try:
+        machine = SlidingWindowMachine.TestCase()
+        machine.settings = settings(
+            max_examples=60,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )
+        machine.runTest()
+    finally:
+        SlidingWindowMachine.oracle.engine.runner.close()
