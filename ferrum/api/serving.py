@@ -122,17 +122,29 @@ async def complete(
 async def _guard_stream(
     events: AsyncIterator[str], deadline: float | None, abort_all: Any
 ) -> AsyncIterator[str]:
-    """The SSE stream, cut with an error event at the deadline; aborts on any exit.
+    """The SSE stream, cut with an error event and [DONE] at the deadline; aborts on any exit.
 
-    Starlette cancels this generator when the client disconnects, which lands in `finally`.
+    The deadline covers only the waits for the engine, never a `yield`: while the generator is
+    suspended there, Starlette is sending, and a timeout firing then would cancel the send and
+    end the stream with neither the error event nor [DONE]. Starlette cancels this generator
+    when the client disconnects, which lands in `finally`.
     """
+    loop = asyncio.get_running_loop()
+    end = None if deadline is None else loop.time() + deadline
     try:
-        async with asyncio.timeout(deadline):
-            async for event in events:
-                yield event
-    except TimeoutError:
-        yield error_event(RequestTimeout(f"the request took longer than {deadline:g} s"))
-        yield "data: [DONE]\n\n"
+        while True:
+            try:
+                if end is not None and loop.time() >= end:
+                    raise TimeoutError
+                async with asyncio.timeout_at(end):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield error_event(RequestTimeout(f"the request took longer than {deadline:g} s"))
+                yield "data: [DONE]\n\n"
+                return
+            yield event
     finally:
         abort_all()
 

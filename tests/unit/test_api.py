@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -295,3 +296,27 @@ def test_metrics_can_be_public_while_the_api_needs_a_key():
     with TestClient(fake_app(api_keys=("k",))) as c:
         assert c.get("/metrics").status_code == 401
 
+
+def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
+    """The deadline passes while the client is still being sent an event: the stream must
+    still close with the timeout error and [DONE], not be cut off mid-send."""
+    from ferrum.api.serving import _guard_stream
+
+    aborted = []
+
+    async def engine_events():
+        for i in range(100):
+            await asyncio.sleep(0.01)
+            yield f"data: {i}\n\n"
+
+    async def slow_client() -> list[str]:
+        got = []
+        async for event in _guard_stream(engine_events(), 0.2, lambda: aborted.append(1)):
+            got.append(event)
+            await asyncio.sleep(0.15)  # sending over a slow connection
+        return got
+
+    got = asyncio.run(slow_client())
+    assert got[-1] == "data: [DONE]\n\n"
+    assert json.loads(got[-2].removeprefix("data: "))["error"]["code"] == "request_timeout"
+    assert 1 <= len(got) - 2 <= 3 and aborted == [1]
