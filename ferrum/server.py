@@ -51,7 +51,7 @@ def build_server(
     kind = "hybrid" if info.is_hybrid else "recurrent" if info.is_recurrent else "attention"
     summary = (
         f"ferrum serving {alias} ({info.architecture}, {info.description}, {kind}) "
-        f"ctx={info.n_ctx} parallel={info.n_seq_max} batch={info.n_batch} "
+        f"ctx={info.n_ctx} parallel={engine_cfg.parallel} batch={info.n_batch} "
         f"threads={info.threads} on http://{server_cfg.host}:{server_cfg.port}"
     )
     return create_app(state), summary
