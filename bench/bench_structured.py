@@ -25,13 +25,12 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from ferrum.bench.arms import ServerProcess
+from ferrum.bench.process import ServerProcess, ferrum_command
 from ferrum.bench.stats import Spread, paired_ratio, verdict
 
 SCHEMA = {
@@ -90,10 +89,9 @@ async def _per_token_ms(client: httpx.AsyncClient, kind: str, tokens: int) -> fl
 
 
 def _start(port: int, threads: int) -> ServerProcess:
-    cmd = [sys.executable, "-m", "ferrum.cli", "serve", "--port", str(port)]
-    cmd += ["--threads", str(threads), "--parallel", "8", "--ctx-size", "8192"]
+    cmd = ferrum_command(port, "--threads", str(threads), "--parallel", "8", "--ctx-size", "8192")
     server = ServerProcess(cmd, Path("/tmp/ferrum-bench-structured.log"), port)
-    server.wait_ready(f"http://127.0.0.1:{port}", "/health")
+    server.wait_ready(server.url, "/health")
     return server
 
 

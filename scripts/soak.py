@@ -23,17 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 
 SHARED = "You are the assistant of a bakery that sells bread, cakes and coffee. " * 12
 
@@ -177,34 +177,13 @@ def _held_blocks(h: dict) -> int:
     return round(h["kv_cache_usage_ratio"] * h["kv_blocks_total"]) - h["prefix_cache"]["blocks"]
 
 
-def _start_server(port: int, inject_faults: float = 0.0) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "ferrum.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--threads",
-        "2",
-        "--parallel",
-        "8",
-        "--ctx-size",
-        "4096",
-        "--log-level",
-        "warning",
-        "--inject-faults",
-        str(inject_faults),
-    ]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not start")
+def _start_server(inject_faults: float, log_path: Path) -> ServerProcess:
+    port = free_port()
+    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", "--log-level", "warning")
+    cmd = ferrum_command(port, *flags, "--inject-faults", str(inject_faults))
+    server = ServerProcess(cmd, log_path, port)
+    server.wait_ready(server.url, "/health", timeout=120)
+    return server
 
 
 async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> dict:
@@ -289,23 +268,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the started server fakes 'no KV slot' for this share of shared decodes",
     )
     args = p.parse_args(argv)
-    proc = None
+    server = None
     if args.url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = _start_server(port, args.inject_faults)
-        args.url, args.pid = f"http://127.0.0.1:{port}", proc.pid
+        log_path = Path(tempfile.gettempdir()) / "ferrum-soak.log"
+        server = _start_server(args.inject_faults, log_path)
+        args.url, args.pid = server.url, server.pid
     if args.pid is None:
         raise SystemExit("--pid is needed with --url")
-    if args.url and proc is None and args.inject_faults:
+    if args.url and server is None and args.inject_faults:
         raise SystemExit("--inject-faults applies to a server this script starts, not to --url")
     try:
         report = asyncio.run(soak(args.url, args.pid, args.minutes * 60, args.workers, args.seed))
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+        if server is not None:
+            server.stop()
     broken = check(report, args.max_rss_growth, args.max_ttft_drift, args.inject_faults)
     print(json.dumps({**report, "broken": broken}, indent=1))
     return 1 if broken else 0

@@ -3,7 +3,7 @@
 Every started arm gets the same model file, threads and KV shape: one pool of `ctx_size`
 cells that any single sequence may fill (ferrum's unified KV; llama-server `--kv-unified`;
 llama-cpp-python has one sequence of `n_ctx`). Beyond that each keeps its own defaults.
-One server runs at a time: `ServerProcess.stop` waits until the port is free again.
+One server runs at a time (`process.ServerProcess`).
 """
 
 from __future__ import annotations
@@ -11,15 +11,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from ferrum.bench.client import Dialect
 from ferrum.bench.settings import BenchSettings
@@ -99,77 +93,3 @@ def server_command(arm: Arm, s: BenchSettings, model: str, port: int) -> list[st
         cmd += ["--flash_attn", "true", "--logits_all", "false"]
         return [*cmd, "--interrupt_requests", "false", "--verbose", "false"]
     raise ValueError(f"arm kind {arm.kind!r} is not started by the benchmark")
-
-
-# ------------------------------------------------------------------ processes
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def wait_port_free(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not port_is_free(port):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"port {port} still busy after {timeout:.0f} s")
-        time.sleep(0.2)
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class ServerProcess:
-    """One started server, in its own session so that its whole process group can be
-    signalled (and its CPU time counted) at once."""
-
-    def __init__(self, cmd: list[str], log_path: Path, port: int):
-        self.cmd, self.log_path, self.port = cmd, log_path, port
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, base: str, path: str, timeout: float = 300.0) -> float:
-        """Polls `path` until 200 (llama-server answers 503 while loading); seconds waited."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                tail = log_tail(self.log_path)
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(base + path, timeout=2.0).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{path} not OK after {timeout:.0f} s:\n{log_tail(self.log_path)}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
-        wait_port_free(self.port)

@@ -27,15 +27,9 @@ from typing import Any, Protocol
 import httpx
 
 from ferrum.bench import engine_loop, machine
-from ferrum.bench.arms import (
-    Arm,
-    ServerProcess,
-    llama_cpp_build_dir,
-    log_tail,
-    server_command,
-    wait_port_free,
-)
+from ferrum.bench.arms import Arm, llama_cpp_build_dir, server_command
 from ferrum.bench.client import Sample, served_model_id, stream_completion
+from ferrum.bench.process import ServerProcess, log_tail, wait_port_free
 from ferrum.bench.prompts import PromptSource
 from ferrum.bench.settings import BenchSettings
 from ferrum.bench.workloads import WORKLOADS, Context

@@ -9,8 +9,8 @@ import time
 
 import httpx
 
+from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from scripts import soak
-from tests.e2e.conftest import start_server
 
 
 def _idle(url: str) -> dict:
@@ -48,9 +48,11 @@ def test_hanging_up_on_a_whole_request_frees_it(server):
 
 
 def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
-    proc, url = start_server(
-        "--threads", "2", "--shutdown-grace", "20", log_path=str(tmp_path / "ferrum.log")
-    )
+    port = free_port()
+    flags = ("--threads", "2", "--shutdown-grace", "20")
+    server = ServerProcess(ferrum_command(port, *flags), tmp_path / "ferrum.log", port)
+    server.wait_ready(server.url, "/health", timeout=120)
+    proc, url = server.proc, server.url
     body = {"prompt": "Count to fifty:", "max_tokens": 60, "stream": True, "ignore_eos": True}
     events = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
