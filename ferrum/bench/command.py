@@ -68,7 +68,7 @@ def _arms(args: argparse.Namespace, notes: list[str], model: str) -> list:
         kinds += ["url"] if args.url else []
     else:
         kinds = _parse_list(args.arms)
-    arms = []
+    arms: list[Any] = []
     for kind in kinds:
         if kind not in ARM_KINDS:
             raise ValueError(f"unknown arm {kind!r}; choose from {', '.join(ARM_KINDS)}")
@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> Any:
     from ferrum.bench.arms import BUILD_HINT, llama_cpp_build_dir
     from ferrum.bench.harness import Plan
-    from ferrum.cli import default_model_path
     from ferrum.config import physical_cores
+    from ferrum.models import default_model_path
 
     settings = QUICK if args.quick else FULL
     if args.rounds is not None:

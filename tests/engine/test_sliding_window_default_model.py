@@ -28,7 +28,7 @@ N_SWA = 512
 
 @pytest.fixture(scope="module")
 def default_model() -> str:
-    from ferrum.cli import default_model_path
+    from ferrum.models import default_model_path
 
     return default_model_path()
 
@@ -80,19 +80,19 @@ def test_lost_window_is_never_copied_and_a_whole_one_is(default_model):
         _first_token(engine, "x", x, 10)
         _first_token(engine, "a", a, 300)
         _first_token(engine, "y", y, 10)
-        (donor,) = [p for p in engine.kv.parked if p.token_ids[: len(s)] == s]
+        (donor,) = [p for p in engine.kv_manager.parked if p.all_token_ids[: len(s)] == s]
         assert ll.llama_memory_seq_pos_min(runner._mem, donor.seq_id) > len(s) - N_SWA
         assert not runner.holds_window(donor.seq_id, len(s))
 
         got_b = _first_token(engine, "b", b)
-        assert engine.kv.window_fallbacks == 1
+        assert engine.kv_manager.window_fallbacks == 1
         assert got_b["final"].cached_tokens == 0
         assert _distance(got_b["top"], want_b) < NOISE
 
         got_b2 = _first_token(engine, "b2", b2)
         assert got_b2["final"].cached_tokens == len(s)
-        assert engine.kv.window_fallbacks == 1
-        parked_b2 = [p for p in engine.kv.parked if p.token_ids[: len(b2)] == b2]
+        assert engine.kv_manager.window_fallbacks == 1
+        parked_b2 = [p for p in engine.kv_manager.parked if p.all_token_ids[: len(b2)] == b2]
         assert runner.holds_window(parked_b2[0].seq_id, len(b2))
         assert _distance(got_b2["top"], want_b2) < NOISE
     finally:

@@ -1,0 +1,67 @@
+"""`ferrum serve`'s flags: derived from the config dataclasses, each also FERRUM_<NAME>."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ferrum.cli import _build, main, make_parser
+from ferrum.config import EngineConfig, ServerConfig
+
+
+def _configs(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
+    args = make_parser().parse_args(["serve", *argv])
+    return _build(EngineConfig, args), _build(ServerConfig, args)
+
+
+def test_defaults_are_the_dataclass_defaults():
+    assert _configs([]) == (EngineConfig(), ServerConfig())
+
+
+def test_every_field_has_a_flag_of_its_type():
+    argv = ["--ctx-size", "1024", "--inject-faults", "0.5", "--alias", "m", "--no-prefix-cache"]
+    argv += ["--api-key", "a,b", "--api-key", "c", "--shutdown-grace", "2.5"]
+    engine, server = _configs(argv)
+    assert (engine.ctx_size, engine.inject_faults, engine.no_prefix_cache) == (1024, 0.5, True)
+    assert (server.alias, server.api_key, server.shutdown_grace) == ("m", ("a", "b", "c"), 2.5)
+    parsed = vars(make_parser().parse_args(["serve"]))
+    for cls in (EngineConfig, ServerConfig):
+        assert {f.name for f in dataclasses.fields(cls)} <= parsed.keys()
+
+
+def test_environment_variables_set_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("FERRUM_CTX_SIZE", "2048")
+    monkeypatch.setenv("FERRUM_REQUEST_TIMEOUT", "7.5")
+    monkeypatch.setenv("FERRUM_PUBLIC_METRICS", "yes")
+    monkeypatch.setenv("FERRUM_API_KEY", "k1, k2")
+    engine, server = _configs([])
+    assert engine.ctx_size == 2048
+    assert (server.request_timeout, server.public_metrics) == (7.5, True)
+    assert server.api_key == ("k1", "k2")
+    engine, server = _configs(["--ctx-size", "512", "--api-key", "flag"])
+    assert engine.ctx_size == 512 and server.api_key == ("flag",)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("FERRUM_CTX_SIZE", "lots"),
+        ("FERRUM_PUBLIC_METRICS", "maybe"),
+        ("FERRUM_REQUEST_TIMEOUT", "soon"),
+    ],
+)
+def test_a_bad_variable_is_one_line_and_exit_2(monkeypatch, capsys, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ferrum: error: {var}") and "\n" not in err
+
+
+def test_a_bad_flag_value_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        make_parser().parse_args(["serve", "--ctx-size", "big"])
+    assert exit_.value.code == 2
+    assert "--ctx-size" in capsys.readouterr().err
