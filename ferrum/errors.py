@@ -77,6 +77,15 @@ class ServiceUnavailable(FerrumError):
     code = "service_unavailable"
 
 
+class ClientGone(FerrumError):
+    """The client closed the connection before its answer was ready: nobody reads this
+    error, but the request still ends through the error path (one log line, no traceback)."""
+
+    status = 499  # "client closed request", as nginx counts it
+    type = "client_error"
+    code = "client_closed_request"
+
+
 class EngineError(FerrumError):
     """The engine failed a request (e.g. llama_decode error); other requests keep running."""
 

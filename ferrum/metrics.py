@@ -6,6 +6,8 @@ process. `Metrics.on_step` runs on the engine thread; prometheus_client is threa
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -142,7 +144,7 @@ class Metrics(EngineObserver):
         for t in stats.inter_token_latencies:
             self.itl.observe(t)
         for f in stats.finished:
-            self.requests.labels(finish_reason=f.finish_reason).inc()
+            self.requests.labels(finish_reason=f.finish_reason.value).inc()
             self.latency.observe(f.latency_s)
             totals = self._prefix_totals
             if f.cached_tokens:
@@ -166,7 +168,7 @@ class Metrics(EngineObserver):
             )
         self._last = stats
 
-    def snapshot(self) -> dict[str, float | int]:
+    def snapshot(self) -> dict[str, Any]:
         """The gauges as of the last engine step, for /health."""
         last = self._last
         return {

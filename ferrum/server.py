@@ -38,7 +38,8 @@ def build_server(
     alias = server_cfg.alias or Path(model_path).stem
     state = ServerState(
         engine=AsyncEngine(engine, max_queue=server_cfg.max_queue),
-        runner=runner,
+        vocab=runner.vocab,
+        info=info,
         formatter=formatter,
         metrics=metrics,
         alias=alias,

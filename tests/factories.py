@@ -13,10 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ferrum.engine.batch import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.request import SamplingParams
+from ferrum.engine.vocab import LlamaVocab
 
 BOS = 256
 EOS = 257
@@ -66,24 +68,13 @@ class FakeSampler:
     params: SamplingParams
     closed: bool = False
 
-    def close(self) -> None:
-        self.closed = True
 
+class FakeVocab:
+    """Bytes are tokens 0-255; BOS and EOS above them. Grammars are not enforced; the fake
+    only refuses an empty one, and counts how often each grammar was parsed."""
 
-@dataclass
-class FakeRunner:
-    info: ModelInfo = field(default_factory=model_info)
-    next_token: Callable[[Sequence[int]], int] = default_next_token
-    kv: dict[int, list[int]] = field(default_factory=dict)
-    # Fault injection: sequence ids whose next decode fails (once each).
-    fail_seqs: set[int] = field(default_factory=set)
-    samplers: list[FakeSampler] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
-    cleared: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int, int]] = field(default_factory=list)
-    step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
-    # Sequences whose sliding window has lost cells: `holds_window` refuses copies from them.
-    lost_windows: set[int] = field(default_factory=set)
+    def __init__(self) -> None:
+        self.parsed: dict[str, int] = {}
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -95,20 +86,42 @@ class FakeRunner:
         return token == EOS
 
     def check_grammar(self, grammar: str) -> None:
-        """The fake cannot enforce grammars; it only refuses an empty one."""
         if not grammar.strip():
             raise ValueError("empty grammar")
+        self.parsed[grammar] = self.parsed.get(grammar, 0) + 1
 
     @staticmethod
-    def json_schema_grammar(schema: dict) -> str:
-        from ferrum.engine.sampler import json_schema_grammar
+    def json_schema_grammar(schema: dict[str, Any]) -> str:
+        return LlamaVocab.json_schema_grammar(schema)
 
-        return json_schema_grammar(schema)
 
-    def new_sampler(self, params: SamplingParams) -> FakeSampler:
-        s = FakeSampler(params)
-        self.samplers.append(s)
-        return s
+@dataclass
+class FakeRunner:
+    info: ModelInfo = field(default_factory=model_info)
+    next_token: Callable[[Sequence[int]], int] = default_next_token
+    kv: dict[int, list[int]] = field(default_factory=dict)
+    # Fault injection: sequence ids whose next decode fails (once each).
+    fail_seqs: set[int] = field(default_factory=set)
+    samplers: dict[str, FakeSampler] = field(default_factory=dict)  # live, by request id
+    closed_samplers: list[FakeSampler] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    cleared: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
+    # Sequences whose sliding window has lost cells: `holds_window` refuses copies from them.
+    lost_windows: set[int] = field(default_factory=set)
+    vocab: FakeVocab = field(default_factory=FakeVocab)
+
+    def start_request(self, request_id: str, params: SamplingParams) -> None:
+        if request_id in self.samplers:
+            raise AssertionError(f"a second sampler for {request_id}")
+        self.samplers[request_id] = FakeSampler(params)
+
+    def finish_request(self, request_id: str) -> None:
+        sampler = self.samplers.pop(request_id, None)
+        if sampler is not None:
+            sampler.closed = True
+            self.closed_samplers.append(sampler)
 
     def clear_sequence(self, seq_id: int) -> None:
         self.kv.pop(seq_id, None)
@@ -146,11 +159,12 @@ class FakeRunner:
                     f"seq {item.seq_id}: chunk at {item.start_pos}, {len(cells)} resident"
                 )
             cells.extend(item.tokens)
-            if item.sampler is not None:
-                if item.sampler.closed:
-                    raise AssertionError("sampling with a closed sampler")
+            if item.sample_for is not None:
+                sampler = self.samplers.get(item.sample_for)
+                if sampler is None:
+                    raise AssertionError(f"sampling for {item.sample_for}, which has no sampler")
                 token = result.sampled[idx] = self.next_token(cells)
-                k = item.sampler.params.logprobs
+                k = sampler.params.logprobs
                 if k is not None:
                     # A made-up distribution: the sampled token first, then the next ids.
                     top = tuple(((token + j) % N_VOCAB, -0.5 - j) for j in range(k))
@@ -203,7 +217,8 @@ def fake_app(runner: FakeRunner | None = None, **state: object):
     engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)
     fields = {
         "engine": AsyncEngine(engine, max_queue=int(state.pop("max_queue", 64))),
-        "runner": runner,
+        "vocab": runner.vocab,
+        "info": runner.info,
         "formatter": ChatFormatter(BUILTIN_TEMPLATES["chatml"], "", "", True),
         "metrics": metrics,
         "alias": "fake",

@@ -6,11 +6,13 @@ validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,11 +25,19 @@ from ferrum.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    invalid_request,
 )
-from ferrum.api.responses import CompletionKind
-from ferrum.api.serving import ServerState, complete, prepare_chat
+from ferrum.api.serving import (
+    ServerState,
+    check_token_ids,
+    complete,
+    prepare,
+    prepare_chat,
+    prepare_completion,
+)
 from ferrum.errors import (
     AuthenticationError,
+    ClientGone,
     FerrumError,
     InvalidRequest,
     NotFound,
@@ -35,6 +45,8 @@ from ferrum.errors import (
     TooManyRequests,
 )
 from ferrum.metrics import CONTENT_TYPE
+
+log = logging.getLogger("ferrum.api")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -67,25 +79,16 @@ def _error_response(exc: FerrumError) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> InvalidRequest:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return InvalidRequest("the request body is not valid JSON")
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
-    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(FerrumError)
-    async def _ferrum(_: Request, exc: FerrumError) -> JSONResponse:
+    async def _ferrum(request: Request, exc: FerrumError) -> JSONResponse:
+        if isinstance(exc, ClientGone):
+            log.info("%s %s: %s", request.method, request.url.path, exc.message)
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+        return _error_response(invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -157,10 +160,13 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _route(app: FastAPI, method: str, path: str) -> Any:
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]:
     """Registers a handler under `path` and, for /v1 routes, also without the prefix."""
 
-    def register(fn: Any) -> Any:
+    def register(fn: Handler) -> Handler:
         app.add_api_route(path, fn, methods=[method], responses=_ERROR_RESPONSES)
         if path.startswith("/v1/"):
             app.add_api_route(path[3:], fn, methods=[method], include_in_schema=False)
@@ -172,19 +178,13 @@ def _route(app: FastAPI, method: str, path: str) -> Any:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        prompt, kind, grammar = prepare_chat(state, body)
-        return await complete(state, request, body, prompt, kind, grammar)
+        prepared = await prepare(prepare_chat, state, body)
+        return await complete(state, request, body, prepared)
 
     @_route(app, "POST", "/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        body.reject_unsupported()
-        prompt_in = body.prompt_input()
-        if isinstance(prompt_in, str):
-            prompt = state.runner.tokenize(prompt_in, True, True)
-        else:
-            prompt = _check_token_ids(state, prompt_in, "prompt")
-        kind = CompletionKind(chat=False, token_bytes=state.runner.token_bytes)
-        return await complete(state, request, body, prompt, kind)
+        prepared = await prepare(prepare_completion, state, body)
+        return await complete(state, request, body, prepared)
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
@@ -208,24 +208,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @_route(app, "POST", "/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return {"tokens": state.runner.tokenize(body.content, body.add_special, body.parse_special)}
+        vocab = state.vocab
+        tokens = await asyncio.to_thread(
+            vocab.tokenize, body.content, body.add_special, body.parse_special
+        )
+        return {"tokens": tokens}
 
     @_route(app, "POST", "/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        tokens = _check_token_ids(state, body.tokens, "tokens")
-        data = b"".join(state.runner.token_bytes(t) for t in tokens)
+        tokens = check_token_ids(state, body.tokens, "tokens")
+        data = b"".join(state.vocab.token_bytes(t) for t in tokens)
         return {"content": data.decode("utf-8", "replace")}
 
 
-def _check_token_ids(state: ServerState, tokens: list[int], param: str) -> list[int]:
-    n_vocab = state.runner.info.n_vocab
-    if any(not 0 <= t < n_vocab for t in tokens):
-        raise InvalidRequest(f"token ids must be in [0, {n_vocab})", param=param)
-    return list(tokens)
-
-
 def _model_card(state: ServerState) -> dict[str, Any]:
-    info = state.runner.info
+    info = state.info
     return {
         "id": state.alias,
         "object": "model",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import meta
+from jinja2 import Template, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ferrum.api.builtin_templates import BUILTIN_TEMPLATES, resolve_template
@@ -67,6 +67,9 @@ class ChatFormatter:
     eos_text: str
     add_bos: bool
     tool_format: ToolFormat = field(init=False, repr=False)
+    _template: Template = field(init=False, repr=False)
+    _reads_tools: bool = field(init=False, repr=False)
+    _renders_tool_turns: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         env = ImmutableSandboxedEnvironment(
@@ -104,12 +107,12 @@ class ChatFormatter:
         self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, mark: Mark
     ) -> str:
         prepared = [_template_message(m, mark) for m in messages]
-        if not self._renders_tool_turns:  # type: ignore[attr-defined]
+        if not self._renders_tool_turns:
             prepared = _tool_turns_as_text(prepared, self.tool_format)
-        if tools and not self._reads_tools:  # type: ignore[attr-defined]
+        if tools and not self._reads_tools:
             prepared = _with_instructions(prepared, self.tool_format.instructions(tools))
         try:
-            return self._template.render(  # type: ignore[attr-defined]
+            return self._template.render(
                 messages=prepared,
                 tools=tools or None,
                 add_generation_prompt=True,

@@ -6,6 +6,8 @@ with a 400 naming them rather than silently ignored.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +23,7 @@ MAX_CONTENT_PARTS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOOLS = 256
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -28,6 +31,32 @@ LogitBias = Annotated[
     dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
 ]
 StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)]
+
+
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*|[0-9]+")  # a field name, or a map key that is a number
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # union members' names
+
+
+def invalid_request(errors: Sequence[Any]) -> InvalidRequest:
+    """pydantic's validation errors as one OpenAI 400 naming the first bad parameter."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return InvalidRequest("the request body is not valid JSON")
+    param = _param(first.get("loc", ())) or None
+    msg = first.get("msg", "invalid request")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+def _param(loc: Sequence[int | str]) -> str:
+    """An error location as the request parameter, `tools[0].function.name`: the `body`
+    prefix and union member tags (`literal['none','auto']`, `NamedToolChoice`) left out."""
+    param = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _FIELD.fullmatch(part) and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+    return param
 
 
 class _Body(BaseModel):
@@ -92,6 +121,38 @@ class ResponseFormat(_Body):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a schema")
         return self
+
+
+class FunctionDef(_Body):
+    # OpenAI allows letters, digits, "_" and "-"; dots are common in MCP tool names.
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type object; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("must be a JSON Schema of type object")
+        return v
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"  # the only kind a local model can call
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _SamplingBody(_Body):
@@ -187,8 +248,8 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -217,9 +278,12 @@ class CompletionRequest(_SamplingBody):
         return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]  # type: ignore[return-value]
-        return self.prompt  # type: ignore[return-value]
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], str):
+            return prompt[0]
+        return [int(t) for t in prompt]
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()

@@ -16,6 +16,7 @@ from typing import Any
 from ferrum.api.tool_calls import ToolCall, ToolFormat
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import LogprobEntry, RequestOutput
+from ferrum.engine.request import FinishReason
 from ferrum.errors import EngineError, FerrumError
 
 Logprobs = list[LogprobEntry] | None
@@ -165,9 +166,20 @@ def error_event(err: FerrumError) -> str:
 
 
 def _failure(out: RequestOutput) -> EngineError | None:
-    if out.finish_reason in ("error", "abort"):
-        return EngineError(out.error or f"request ended: {out.finish_reason}")
+    """Why a request ended without a result: an engine error, or an abort it did not ask for
+    (a client's own abort closes its stream first, so it never reads one)."""
+    if out.finish_reason is FinishReason.ERROR:
+        return out.error or EngineError("the engine failed the request")
+    if out.finish_reason is FinishReason.ABORT:
+        return EngineError("the request was aborted")
     return None
+
+
+def _reason(out: RequestOutput) -> str:
+    """OpenAI's finish_reason of a finished output (stop or length; failures raise before)."""
+    if out.finish_reason is None:
+        raise EngineError("a finished output without a finish reason")
+    return out.finish_reason.value
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -214,9 +226,7 @@ async def collect(
         raise EngineError("the engine closed a request without a result")
     done = [f for f in finals if f is not None]
     choices = [
-        kind.whole_choice(
-            i, "".join(content[i]), "".join(reasoning[i]), f.finish_reason or "", logprobs[i]
-        )
+        kind.whole_choice(i, "".join(content[i]), "".join(reasoning[i]), _reason(f), logprobs[i])
         for i, f in enumerate(done)
     ]
     return {
@@ -265,7 +275,7 @@ async def stream_sse(
             choice = kind.delta_choice(i, "", "")
             if kind.chat:
                 choice["delta"] = {}
-            choice["finish_reason"] = "tool_calls" if tools.called[i] else out.finish_reason
+            choice["finish_reason"] = "tool_calls" if tools.called[i] else _reason(out)
             chunk: dict[str, Any] = {**base, "choices": [choice]}
             if len(finals) == len(streams):
                 chunk["usage"] = usage(finals)

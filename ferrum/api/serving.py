@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,23 +17,26 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ferrum.api.chat_template import ChatFormatter
+from ferrum.api.grammar import GrammarBuilder
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
-from ferrum.api.structured import response_grammar
 from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.batch import ModelInfo, Vocabulary
 from ferrum.engine.request import SamplingParams
-from ferrum.errors import InvalidRequest, RequestTimeout
+from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
 from ferrum.metrics import Metrics
 
 T = TypeVar("T")
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 _DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    runner: Any  # tokenizer access: tokenize / token_bytes / info
+    vocab: Vocabulary  # read-only: safe in the worker threads that prepare requests
+    info: ModelInfo
     formatter: ChatFormatter
     metrics: Metrics
     alias: str
@@ -43,23 +46,36 @@ class ServerState:
     default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
     request_timeout: float = 0.0  # --request-timeout; 0: none
     created: int = 0
+    grammars: GrammarBuilder = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarBuilder(self.vocab)
 
 
-def prepare_chat(
-    state: ServerState, body: ChatCompletionRequest
-) -> tuple[list[int], CompletionKind, str | None]:
+@dataclass(frozen=True)
+class Prepared:
+    """A request made ready for the engine: its prompt tokens, response kind and grammar."""
+
+    prompt: list[int]
+    kind: CompletionKind
+    grammar: str | None = None
+
+
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     """The prompt (tools carried by the template), the response kind and the grammar, if any.
+    Template rendering, tokenizing and grammar building take CPU time: call it in a worker
+    thread (`prepare`), never on the event loop.
 
     A forced tool choice and a JSON response_format would each need their own grammar over
     the same output, so they are refused together."""
     body.reject_unsupported()
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = state.formatter.tokenize(messages, state.runner.tokenize, tools.template_tools())
+    prompt = state.formatter.tokenize(messages, state.vocab.tokenize, tools.template_tools())
     fmt = state.formatter.tool_format
-    grammar = tools.grammar(fmt, state.runner)
+    grammar = state.grammars.for_tools(tools, fmt)
     if grammar is None:
-        grammar = response_grammar(body.response_format, state.runner)
+        grammar = state.grammars.for_response_format(body.response_format)
     elif body.response_format is not None and body.response_format.type != "text":
         raise InvalidRequest(
             "response_format cannot be combined with a tool_choice that forces a call",
@@ -67,10 +83,36 @@ def prepare_chat(
         )
     kind = CompletionKind(
         chat=True,
-        token_bytes=state.runner.token_bytes,
+        token_bytes=state.vocab.token_bytes,
         tool_format=fmt if tools.active else None,
     )
-    return prompt, kind, grammar
+    return Prepared(prompt, kind, grammar)
+
+
+def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+    """The prompt of a text completion: its text tokenized, or its token ids checked."""
+    body.reject_unsupported()
+    prompt_in = body.prompt_input()
+    if isinstance(prompt_in, str):
+        prompt = state.vocab.tokenize(prompt_in, True, True)
+    else:
+        prompt = check_token_ids(state, prompt_in, "prompt")
+    return Prepared(prompt, CompletionKind(chat=False, token_bytes=state.vocab.token_bytes))
+
+
+def check_token_ids(state: ServerState, tokens: list[int], param: str) -> list[int]:
+    n_vocab = state.info.n_vocab
+    if any(not 0 <= t < n_vocab for t in tokens):
+        raise InvalidRequest(f"token ids must be in [0, {n_vocab})", param=param)
+    return list(tokens)
+
+
+async def prepare(
+    prepare_fn: Callable[[ServerState, B], Prepared], state: ServerState, body: B
+) -> Prepared:
+    """Runs request preparation in a worker thread: a long prompt or a large schema must not
+    stall the event loop, which every open stream is waiting on."""
+    return await asyncio.to_thread(prepare_fn, state, body)
 
 
 def _deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:
@@ -82,18 +124,17 @@ async def complete(
     state: ServerState,
     http: Request,
     body: ChatCompletionRequest | CompletionRequest,
-    prompt: list[int],
-    kind: CompletionKind,
-    grammar: str | None = None,
+    prepared: Prepared,
 ) -> Any:
     """Submits n engine requests for one prompt (they share its prefill) and answers."""
     engine = state.engine
+    prompt, kind = prepared.prompt, prepared.kind
     engine.check_capacity(body.n)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None and state.default_max_tokens > 0:
         max_tokens = state.default_max_tokens
-    max_tokens = engine.engine.clamp_max_tokens(len(prompt), max_tokens)
-    params = body.sampling_params(max_tokens, state.runner.info.n_vocab, grammar)
+    max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
+    params = body.sampling_params(max_tokens, state.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
@@ -163,7 +204,7 @@ async def _unless_gone(http: Request, work: Awaitable[T], deadline: float | None
             if end is not None and loop.time() >= end:
                 raise RequestTimeout(f"the request took longer than {deadline:g} s")
             if await http.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientGone("the client closed the connection")
     finally:
         task.cancel()
 

@@ -161,7 +161,7 @@ def _print_eog(model: str) -> None:
 
     runner = LlamaRunner(EngineConfig(model=model, ctx_size=256, parallel=1, threads=1), model)
     try:
-        print(json.dumps([t for t in range(runner.info.n_vocab) if runner.is_eog(t)]))
+        print(json.dumps([t for t in range(runner.info.n_vocab) if runner.vocab.is_eog(t)]))
     finally:
         runner.close()
 

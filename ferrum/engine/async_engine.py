@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.request import SamplingParams
-from ferrum.errors import ServiceUnavailable, TooManyRequests
+from ferrum.engine.request import FinishReason, SamplingParams
+from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
 log = logging.getLogger("ferrum.engine")
 
@@ -69,10 +69,10 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int = 1 << 30):
-        self.engine = engine
+    def __init__(self, core: LLMEngine, max_queue: int = 1 << 30):
+        self.core = core
         # Requests in flight beyond those that can run at once wait; past this, submit refuses.
-        self.capacity = engine.scheduler.max_running + max_queue
+        self.capacity = core.scheduler.max_running + max_queue
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,7 +81,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine.publish_stats()  # gauges exist before the first request
+        self.core.publish_stats()  # gauges exist before the first request
         self._thread = threading.Thread(target=self._run, name="ferrum-engine", daemon=True)
         self._thread.start()
 
@@ -95,6 +95,10 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def clamp_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The engine's length rule (pure: safe on the event loop)."""
+        return self.core.clamp_max_tokens(num_prompt_tokens, max_tokens)
 
     def check_capacity(self, n: int) -> None:
         """Refuses (429) n more requests when the queue beyond --parallel is full."""
@@ -127,30 +131,30 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        core = self.core
         while not self._stopping:
-            outputs = self._drain_commands(block=not engine.has_work)
-            if engine.has_work:
+            outputs = self._drain_commands(block=not core.has_work)
+            if core.has_work:
                 try:
-                    outputs.extend(engine.step())
+                    outputs.extend(core.step())
                 except Exception:  # never let one bad step kill the server
                     log.exception("engine step failed; failing the requests in flight")
-                    outputs.extend(engine.fail_all("internal engine error"))
+                    outputs.extend(core.fail_all("internal engine error"))
             elif outputs:
-                engine.publish_stats()
-            if not engine.has_work:
+                core.publish_stats()
+            if not core.has_work:
                 self._check_idle()
             if outputs:
                 self._post(outputs)
-        self._post(engine.fail_all("server shutting down"))
+        self._post(core.fail_all("server shutting down"))
 
     def _check_idle(self) -> None:
         """The ledger check when idle; a broken ledger is a bug to report, not a reason to die."""
         try:
-            self.engine.check_integrity()
+            self.core.check_integrity()
         except Exception:
             log.exception("KV ledger integrity check failed; dropping parked sequences")
-            self.engine.kv.drop_parked()
+            self.core.kv_manager.drop_parked()
 
     def _drain_commands(self, block: bool) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -160,7 +164,7 @@ class AsyncEngine:
                 if isinstance(cmd, _Add):
                     outputs.extend(self._add(cmd))
                 elif isinstance(cmd, _Abort):
-                    out = self.engine.abort(cmd.request_id)
+                    out = self.core.abort(cmd.request_id)
                     if out is not None:
                         outputs.append(out)
                 cmd = self._commands.get_nowait()
@@ -170,13 +174,14 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> list[RequestOutput]:
         try:
-            self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think
-            )
+            self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think)
         except Exception as exc:  # the request fails, the engine goes on
             log.exception("could not add request %s", cmd.request_id)
+            error = EngineError(f"could not start the request: {exc}")
             return [
-                RequestOutput(cmd.request_id, finished=True, finish_reason="error", error=str(exc))
+                RequestOutput(
+                    cmd.request_id, finished=True, finish_reason=FinishReason.ERROR, error=error
+                )
             ]
         return []
 

@@ -1,23 +1,35 @@
 """Contracts between the engine and a runner (llama.cpp or the tests' fake).
 
-Plain data, no llama.cpp: the engine depends on this file, never on the runner module.
+Plain data and Protocols, no llama.cpp: the engine and the API depend on this file, never on
+the runner module. The model is behind two objects with different owners:
+
+    Vocabulary   read-only once loaded; any thread (the API's request preparation, the
+                 engine's detokenizer): tokenizer, token bytes, end-of-generation, grammars
+    Runner       the engine thread alone: context, batch, KV operations, sampling state
+
+A runner keeps each request's sampling state (penalty history, RNG, grammar position) by
+request id from `start_request` to `finish_request`; a batch item names the request whose
+sampler picks the token at its last position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from ferrum.engine.request import SamplingParams
 
 
 @dataclass(slots=True)
 class BatchItem:
-    """Tokens of one sequence for one step; `sampler` set when the last token is sampled."""
+    """Tokens of one sequence for one step; `sample_for` names the request whose sampler
+    picks a token from the last position's logits (None: no token is sampled)."""
 
     seq_id: int
     tokens: Sequence[int]
     start_pos: int
-    sampler: Any = None  # the runner's sampler object
+    sample_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +58,7 @@ class ModelInfo:
     n_ctx: int
     n_ctx_train: int
     n_batch: int
-    n_seq_max: int
+    n_seq_max: int  # sequence ids the engine may use
     n_vocab: int
     n_swa: int
     threads: int
@@ -56,3 +68,59 @@ class ModelInfo:
     bos_text: str
     eos_text: str
     add_bos: bool
+
+
+class Vocabulary(Protocol):
+    """The model's tokenizer and grammar parser: read-only, safe from any thread."""
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's bytes as output text: control tokens render as nothing."""
+        ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def check_grammar(self, grammar: str) -> None:
+        """ValueError when the GBNF text cannot be parsed; a parsed grammar is kept, so a
+        request that uses it later is not parsed again."""
+        ...
+
+    def json_schema_grammar(self, schema: dict[str, Any]) -> str:
+        """GBNF enforcing a JSON schema; ValueError when the converter cannot."""
+        ...
+
+
+class KvOps(Protocol):
+    """The llama.cpp memory operations the KV ledger mirrors."""
+
+    def clear_sequence(self, seq_id: int) -> None: ...
+
+    def copy_sequence(self, src: int, dst: int, length: int) -> None: ...
+
+    def holds_window(self, seq_id: int, length: int) -> bool:
+        """Whether seq_id still holds every position a copy of its first `length` needs to
+        attend from position `length` on (always, on a model without a sliding window)."""
+        ...
+
+
+class Runner(KvOps, Protocol):
+    """The model's context on the engine thread: decoding, sampling state, KV operations."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def vocab(self) -> Vocabulary: ...
+
+    def start_request(self, request_id: str, params: SamplingParams) -> None:
+        """Sampling state for a request; ValueError when its grammar cannot be parsed."""
+        ...
+
+    def finish_request(self, request_id: str) -> None:
+        """Frees the request's sampling state (a no-op for an unknown id)."""
+        ...
+
+    def execute(self, items: Sequence[BatchItem]) -> StepResult:
+        """Decodes all items in one step and samples where an item asks."""
+        ...

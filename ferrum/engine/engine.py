@@ -2,7 +2,7 @@
 
 It owns the scheduler (and through it the KV ledger), the runner and each request's text
 pipeline. It is single-threaded by design: `AsyncEngine` runs it on one thread and is the only
-caller. The runner is anything with the `LlamaRunner` methods used here (tests pass a fake).
+caller. The runner is any `Runner` (batch.py): llama.cpp's, or the tests' fake.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from ferrum.engine.batch import BatchItem, TokenLogprobs
+from ferrum.engine.batch import BatchItem, Runner, TokenLogprobs
 from ferrum.engine.kv import BlockManager, IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.logprobs import LogprobTracker
@@ -20,13 +19,13 @@ from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import Scheduler, SchedulerOutput
 from ferrum.engine.text import TextPipeline
-from ferrum.errors import ContextLengthExceeded, InvalidRequest
+from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 
 log = logging.getLogger("ferrum.engine")
 
 
 @dataclass
-class _Live:
+class _RequestState:
     """Engine-side state of one request that the scheduler does not need."""
 
     request: Request
@@ -38,7 +37,7 @@ class _Live:
 class LLMEngine:
     def __init__(
         self,
-        runner: Any,
+        runner: Runner,
         block_size: int = 16,
         observer: EngineObserver | None = None,
         max_running: int | None = None,
@@ -52,12 +51,12 @@ class LLMEngine:
         self.max_positions = blocks.num_blocks * block_size
         # Recurrent state cannot be shared between sequences; only attention KV cells can.
         share = not (info.is_recurrent or info.is_hybrid)
-        self.kv = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share_cells=share)
+        self.kv_manager = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share)
         self.scheduler = Scheduler(
-            self.kv, max_running=max_running or info.n_seq_max, token_budget=info.n_batch
+            self.kv_manager, max_running=max_running or info.n_seq_max, token_budget=info.n_batch
         )
         self.observer = observer or EngineObserver()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _RequestState] = {}
         self._finished_stats: list[FinishedRequest] = []
 
     # -- commands ---------------------------------------------------------------------------
@@ -86,9 +85,9 @@ class LLMEngine:
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
         request = Request(request_id, list(prompt_token_ids), params)
-        request.sampler = self.runner.new_sampler(params)
-        text = TextPipeline(self.runner.token_bytes, params.stop, split_think)
-        live = _Live(request, text, RequestOutput(request_id))
+        self.runner.start_request(request_id, params)
+        text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
+        live = _RequestState(request, text, RequestOutput(request_id))
         if params.logprobs is not None:
             live.logprobs = LogprobTracker()
         live.pending = self._new_output(live)
@@ -106,7 +105,7 @@ class LLMEngine:
         """Ends every request with an error (after an unexpected engine fault)."""
         outs = []
         for live in list(self._live.values()):
-            self._finish(live, FinishReason.ERROR, error=reason)
+            self._finish(live, FinishReason.ERROR, error=EngineError(reason))
             outs.append(self._take(live))
         return outs
 
@@ -121,7 +120,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
         stats.preemptions = len(sched.preempted)
-        touched: list[_Live] = []
+        touched: list[_RequestState] = []
         if sched.chunks:
             self._execute(sched, stats, touched)
         outputs = [self._take(live) for live in touched]
@@ -129,12 +128,17 @@ class LLMEngine:
         self.publish_stats(stats)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, stats: StepStats, touched: list[_Live]) -> None:
+    def _execute(
+        self, sched: SchedulerOutput, stats: StepStats, touched: list[_RequestState]
+    ) -> None:
         items = []
         for c in sched.chunks:
             req = c.request
+            assert req.seq_id is not None  # scheduled requests hold a sequence
             tokens = req.all_token_ids[c.start : c.start + c.length]
-            items.append(BatchItem(req.seq_id, tokens, c.start, req.sampler if c.samples else None))  # type: ignore[arg-type]
+            items.append(
+                BatchItem(req.seq_id, tokens, c.start, req.request_id if c.samples else None)
+            )
         result = self.runner.execute(items)
         stats.decode_retries = max(0, result.decode_calls - 1)
         stats.faults_injected = result.faults_injected
@@ -144,10 +148,11 @@ class LLMEngine:
             live = self._live[req.request_id]
             if i in result.failed:
                 stats.decode_failures += 1
-                self._finish(live, FinishReason.ERROR, error=f"decode failed: {result.failed[i]}")
+                failure = EngineError(f"decode failed: {result.failed[i]}")
+                self._finish(live, FinishReason.ERROR, error=failure)
                 touched.append(live)
                 continue
-            req.num_computed_tokens = c.start + c.length
+            self.scheduler.computed(c)
             if c.start < req.num_prompt_tokens:
                 stats.prompt_tokens_computed += min(c.length, req.num_prompt_tokens - c.start)
             if i in result.sampled:
@@ -160,10 +165,16 @@ class LLMEngine:
         params = req.params
         if token in params.stop_token_ids:
             return True
-        return (not params.ignore_eos or params.grammar is not None) and self.runner.is_eog(token)
+        ends = self.runner.vocab.is_eog(token)
+        return ends and (not params.ignore_eos or params.grammar is not None)
 
     def _on_token(
-        self, live: _Live, token: int, logprobs: TokenLogprobs | None, now: float, stats: StepStats
+        self,
+        live: _RequestState,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        now: float,
+        stats: StepStats,
     ) -> None:
         req = live.request
         self.scheduler.append_token(req, token)
@@ -184,20 +195,18 @@ class LLMEngine:
         out.reasoning += delta.reasoning
         if live.logprobs is not None and out.logprobs is not None:
             live.logprobs.add(logprobs or TokenLogprobs(token, 0.0), delta.raw)
-            out.logprobs += live.logprobs.release(
-                live.text.released_chars, live.text.mid_character
-            )
+            out.logprobs += live.logprobs.release(live.text.released_chars, live.text.mid_character)
         if delta.stopped:
             self._finish(live, FinishReason.STOP)
         elif req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_positions:
             self._finish(live, FinishReason.LENGTH)
 
-    def _finish(self, live: _Live, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self, live: _RequestState, reason: FinishReason, error: EngineError | None = None
+    ) -> None:
         req = live.request
         self.scheduler.finish(req, reason)
-        if req.sampler is not None:
-            req.sampler.close()
-            req.sampler = None
+        self.runner.finish_request(req.request_id)
         tail = live.text.finish()
         out = live.pending
         out.content += tail.content
@@ -206,12 +215,12 @@ class LLMEngine:
             live.logprobs.extend_last(tail.raw)
             out.logprobs += live.logprobs.finish(live.text.released_chars)
         out.finished = True
-        out.finish_reason = reason.value
+        out.finish_reason = reason
         out.error = error
         del self._live[req.request_id]
         self._finished_stats.append(
             FinishedRequest(
-                finish_reason=reason.value,
+                finish_reason=reason,
                 prompt_tokens=req.num_prompt_tokens,
                 completion_tokens=req.num_output_tokens,
                 latency_s=time.monotonic() - req.arrival_time,
@@ -220,7 +229,7 @@ class LLMEngine:
             )
         )
 
-    def _take(self, live: _Live) -> RequestOutput:
+    def _take(self, live: _RequestState) -> RequestOutput:
         """Hands out the accumulated delta and starts a fresh one."""
         out = live.pending
         out.completion_tokens = live.request.num_output_tokens
@@ -229,7 +238,7 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _new_output(live: _Live) -> RequestOutput:
+    def _new_output(live: _RequestState) -> RequestOutput:
         req = live.request
         return RequestOutput(
             req.request_id,
@@ -243,10 +252,11 @@ class LLMEngine:
         sched = self.scheduler
         stats.kv_usage = sched.blocks.usage
         stats.kv_blocks_total = sched.blocks.num_blocks
-        stats.parked_sequences = len(self.kv.parked)
-        stats.parked_blocks = self.kv.parked.num_blocks
-        stats.evictions_total = self.kv.evictions
-        stats.window_fallbacks_total = self.kv.window_fallbacks
+        kv = self.kv_manager
+        stats.parked_sequences = len(kv.parked)
+        stats.parked_blocks = kv.parked.num_blocks
+        stats.evictions_total = kv.evictions
+        stats.window_fallbacks_total = kv.window_fallbacks
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []

@@ -59,9 +59,6 @@ class BlockManager:
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")

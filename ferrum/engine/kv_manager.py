@@ -36,24 +36,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol
 
+from ferrum.engine.batch import KvOps
 from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
 from ferrum.engine.prefix import Parked, ParkedLRU, PrefixIndex
 from ferrum.engine.request import Request
-
-
-class KvOps(Protocol):
-    """The llama.cpp memory operations the ledger mirrors (the runner implements them)."""
-
-    def clear_sequence(self, seq_id: int) -> None: ...
-
-    def copy_sequence(self, src: int, dst: int, length: int) -> None: ...
-
-    def holds_window(self, seq_id: int, length: int) -> bool:
-        """Whether seq_id still holds every position a copy of its first `length` needs to
-        attend from position `length` on (always, on a model without a sliding window)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -72,14 +59,14 @@ class KVManager:
     def __init__(
         self,
         blocks: BlockManager,
-        kv: KvOps,
+        ops: KvOps,
         num_seq_ids: int,
         prefix_cache: bool = True,
         share_cells: bool = True,
     ):
         self.blocks = blocks
         self.seq_ids = SeqIdPool(num_seq_ids)
-        self.kv = kv
+        self.ops = ops
         self.prefix_cache = prefix_cache
         self.share_cells = share_cells
         self.index = PrefixIndex(blocks.block_size)
@@ -102,64 +89,73 @@ class KVManager:
         refused = 0
         for match in self.index.matches(req.all_token_ids):
             length = min(match.length, req.num_tokens - 1)
+            donor = match.owner
             if length <= 0:
                 break
-            donor = match.owner
-            if isinstance(donor, Parked) and length == len(donor.token_ids):
+            if donor.seq_id is None:
+                continue  # a request preempted within this step
+            if isinstance(donor, Parked) and length == len(donor.all_token_ids):
                 # Continuing the owner itself: a sequence always keeps its own recent window.
                 return Reuse(donor, length, takeover=True, window_refusals=refused)
             if not self.share_cells:
                 continue
             if isinstance(donor, Request) and donor.num_computed_tokens < length:
                 return None
-            if not self.kv.holds_window(donor.seq_id, length):  # type: ignore[arg-type]
+            if not self.ops.holds_window(donor.seq_id, length):
                 refused += 1
                 continue
-            return Reuse(donor, length, window_refusals=refused)  # type: ignore[arg-type]
+            return Reuse(donor, length, window_refusals=refused)
         return Reuse(window_refusals=refused) if refused else _FRESH
 
-    def admit(self, req: Request, reuse: Reuse, keep_free: int = 0) -> bool:
-        """Gives req a sequence and blocks for all its tokens (+1), or changes nothing."""
+    def admit(self, req: Request, reuse: Reuse, keep_free: int = 0) -> int | None:
+        """Gives req a sequence and blocks for all its tokens (+1) and returns how many of its
+        positions are already resident (reused); None, changing nothing, when it cannot fit."""
         bs = self.blocks.block_size
-        shared = 0 if reuse.donor is None else (reuse.length // bs)
-        if reuse.takeover:
-            shared = len(reuse.donor.page_table.blocks)  # type: ignore[union-attr]
+        donor = reuse.donor
+        if donor is None:
+            shared = 0
+        elif reuse.takeover:
+            shared = len(donor.page_table.blocks)
+        else:
+            shared = reuse.length // bs
         need = max(0, blocks_for(req.num_tokens + 1, bs) - shared) + (1 if reuse.takeover else 0)
-        exclude = reuse.donor if isinstance(reuse.donor, Parked) else None
+        exclude = donor if isinstance(donor, Parked) else None
         if not self._make_room(need + keep_free, exclude, need_seq=not reuse.takeover):
             # A parked donor so large that req can never fit beside it (e.g. a sequence that ran
             # to the end of the context) would block req, and the queue behind it, forever:
             # give up the reuse, so the donor can be evicted like any other parked sequence.
             # A donor that merely waits for running requests to finish is kept.
             if exclude is None or need + len(exclude.page_table.blocks) <= self.blocks.num_blocks:
-                return False
+                return None
             return self.admit(req, _FRESH, keep_free)
         try:
             self._attach(req, reuse)
         except BaseException:
             self._detach(req)  # a failed admission must not keep a sequence id or blocks
             raise
-        req.num_cached_tokens = req.num_computed_tokens = reuse.length
         if reuse.window_refusals:
             self.window_fallbacks += 1
         if self.prefix_cache:
             self.index.add(req)
-        return True
+        return reuse.length
 
     def _attach(self, req: Request, reuse: Reuse) -> None:
-        if reuse.takeover:
-            self._take_over(req, reuse.donor)  # type: ignore[arg-type]
+        donor = reuse.donor
+        if isinstance(donor, Parked) and reuse.takeover:
+            self._take_over(req, donor)
         else:
-            req.seq_id = self.seq_ids.acquire()
-            if reuse.donor is not None:
-                self._copy_from(req, reuse.donor, reuse.length)
+            seq_id = req.seq_id = self.seq_ids.acquire()
+            if seq_id is None:
+                raise IntegrityError("admission made room but no sequence id is free")
+            if donor is not None:
+                self._copy_from(req, seq_id, donor, reuse.length)
         if not self.blocks.grow(req.page_table, req.num_tokens):
             raise IntegrityError("admission made room but the ledger refused the blocks")
 
     def _detach(self, req: Request) -> None:
         self.blocks.release(req.page_table)
         if req.seq_id is not None:
-            self.kv.clear_sequence(req.seq_id)
+            self.ops.clear_sequence(req.seq_id)
             self.seq_ids.release(req.seq_id)
             req.seq_id = None
 
@@ -168,16 +164,18 @@ class KVManager:
         self.index.remove(parked)
         req.seq_id = parked.seq_id
         req.page_table = parked.page_table
-        last = len(parked.token_ids) // self.blocks.block_size
-        if len(parked.token_ids) % self.blocks.block_size and last < len(req.page_table.blocks):
+        last = len(parked.all_token_ids) // self.blocks.block_size
+        if len(parked.all_token_ids) % self.blocks.block_size and last < len(req.page_table.blocks):
             self.blocks.copy_on_write(req.page_table, last)  # never write a shared block
 
-    def _copy_from(self, req: Request, donor: Request | Parked, length: int) -> None:
-        self.kv.copy_sequence(donor.seq_id, req.seq_id, length)  # type: ignore[arg-type]
+    def _copy_from(self, req: Request, seq_id: int, donor: Request | Parked, length: int) -> None:
+        if donor.seq_id is None:
+            raise IntegrityError("a prefix donor without a sequence")
+        self.ops.copy_sequence(donor.seq_id, seq_id, length)
         req.page_table = self.blocks.fork(donor.page_table, length)
         if isinstance(donor, Parked):
             self.parked.touch(donor)
-        if not self.kv.holds_window(req.seq_id, length):  # type: ignore[arg-type]
+        if not self.ops.holds_window(seq_id, length):
             raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
 
     def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
@@ -218,23 +216,24 @@ class KVManager:
         """Ends req's hold on KV: its sequence is parked for reuse, or cleared and freed."""
         if req in self.index:
             self.index.remove(req)
-        if req.seq_id is None:
+        seq_id = req.seq_id
+        if seq_id is None:
             return
         resident = req.num_computed_tokens
         if park and self.prefix_cache and resident >= self.blocks.block_size:
-            self._park(req, resident)
+            self._park(req, seq_id, resident)
         else:
             self.blocks.release(req.page_table)
-            self.kv.clear_sequence(req.seq_id)
-            self.seq_ids.release(req.seq_id)
+            self.ops.clear_sequence(seq_id)
+            self.seq_ids.release(seq_id)
         req.seq_id = None
 
-    def _park(self, req: Request, resident: int) -> None:
+    def _park(self, req: Request, seq_id: int, resident: int) -> None:
         table = req.page_table
         keep = blocks_for(resident, self.blocks.block_size)
         self.blocks.free(table.blocks[keep:])  # room reserved for positions never computed
         del table.blocks[keep:]
-        parked = Parked(req.seq_id, req.all_token_ids[:resident], table)  # type: ignore[arg-type]
+        parked = Parked(seq_id, req.all_token_ids[:resident], table)
         req.page_table = type(table)()
         self.parked.add(parked)
         self.index.add(parked)
@@ -246,7 +245,7 @@ class KVManager:
         self.parked.remove(victim)
         self.index.remove(victim)
         self.blocks.release(victim.page_table)
-        self.kv.clear_sequence(victim.seq_id)
+        self.ops.clear_sequence(victim.seq_id)
         self.seq_ids.release(victim.seq_id)
         self.evictions += 1
         return True
@@ -262,6 +261,9 @@ class KVManager:
         self.blocks.check_integrity(
             [r.page_table for r in running] + [p.page_table for p in parked]
         )
-        self.seq_ids.check_integrity([r.seq_id for r in running] + [p.seq_id for p in parked])  # type: ignore[misc]
+        owned = [r.seq_id for r in running if r.seq_id is not None]
+        if len(owned) != len(running):
+            raise IntegrityError("a running request holds no sequence id")
+        self.seq_ids.check_integrity(owned + [p.seq_id for p in parked])
         if self.prefix_cache and len(self.index) != len(running) + len(parked):
             raise IntegrityError("prefix index out of step with running and parked sequences")

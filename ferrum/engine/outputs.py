@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.engine.request import FinishReason
+from ferrum.errors import EngineError
+
 
 @dataclass(frozen=True, slots=True)
 class LogprobEntry:
@@ -27,17 +30,17 @@ class RequestOutput:
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    error: str | None = None
+    error: EngineError | None = None  # why an ERROR finish happened
     logprobs: list[LogprobEntry] | None = None  # None unless the request asked for them
 
 
 @dataclass(slots=True)
 class FinishedRequest:
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     latency_s: float

@@ -19,32 +19,27 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ferrum.engine.kv import PageTable
-
-
-class Owner(Protocol):
-    @property
-    def token_ids(self) -> list[int]: ...
+from ferrum.engine.request import Request
 
 
 @dataclass(eq=False)
 class Parked:
-    """A finished request's sequence kept resident: KV holds exactly `token_ids`."""
+    """A finished request's sequence kept resident: KV holds exactly `all_token_ids`."""
 
     seq_id: int
-    token_ids: list[int]
+    all_token_ids: list[int]
     page_table: PageTable = field(default_factory=PageTable)
+
+
+Owner = Request | Parked
 
 
 @dataclass(frozen=True)
 class Match:
-    owner: Owner | None
+    owner: Owner
     length: int
-
-
-_NO_MATCH = Match(None, 0)
 
 
 class PrefixIndex:
@@ -66,7 +61,7 @@ class PrefixIndex:
     def extend(self, owner: Owner) -> None:
         """Indexes the owner's blocks completed since the last call."""
         chain = self._chains[id(owner)]
-        tokens, bs = owner.token_ids, self.block_size
+        tokens, bs = owner.all_token_ids, self.block_size
         h = chain[-1] if chain else 0
         for i in range(len(chain), len(tokens) // bs):
             h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
@@ -105,7 +100,7 @@ class PrefixIndex:
                 if key in seen:
                     continue
                 seen.add(key)
-                own = owner.token_ids
+                own = owner.all_token_ids
                 if own[:full] != tokens[:full]:
                     continue  # hash collision
                 found.append(Match(owner, full + _common_prefix(own, tokens, full)))

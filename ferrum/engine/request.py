@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ferrum.engine.kv import PageTable
 
@@ -73,11 +72,8 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    error: str | None = None
     seq_id: int | None = None
     page_table: PageTable = field(default_factory=PageTable)
-    # Owned by the runner (a llama.cpp sampler chain); the engine closes it on finish.
-    sampler: Any = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # Prompt positions whose KV was reused from another sequence instead of computed.
@@ -86,11 +82,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All known tokens: what the prefix index matches newcomers against."""
-        return self.all_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,10 +94,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,8 +1,10 @@
-"""The llama.cpp runner: with `sampler.py`, the only module that imports `llama_cpp`.
+"""The llama.cpp runner: with `sampler.py` and `vocab.py`, the only modules importing `llama_cpp`.
 
-It owns the model, the context, one reusable `llama_batch` and the per-request sampler chains,
-and frees every C handle through `close()` (idempotent). It knows nothing of requests or
-blocks: the engine hands it (sequence id, tokens, first position, sampler) items per step.
+It owns the model (and through it the vocabulary, `vocab.py`), the context, one reusable
+`llama_batch` and each running request's sampler (by request id), and frees every C handle
+through `close()` (idempotent). Only the engine thread calls it; other threads use `vocab`.
+It knows nothing of blocks: the engine hands it (sequence id, tokens, first position,
+request to sample for) items per step.
 
     one step's llama_batch (n_tokens ≤ n_batch):
       index:   0    1    2    3    4    5    6   ...
@@ -19,13 +21,15 @@ import logging
 import os
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import llama_cpp as ll
 
 from ferrum.config import EngineConfig
 from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
 from ferrum.engine.request import SamplingParams
-from ferrum.engine.sampler import Sampler, init_grammar, json_schema_grammar
+from ferrum.engine.sampler import Sampler
+from ferrum.engine.vocab import LlamaVocab
 from ferrum.errors import ModelLoadError
 
 log = logging.getLogger("ferrum.llama")
@@ -51,27 +55,36 @@ class LlamaRunner:
             raise ModelLoadError(f"model file not found: {model_path}")
         ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         ll.llama_backend_init()
-        self._model = self._ctx = self._batch = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._window: _WindowProbe | None = None
+        self._samplers: dict[str, Sampler] = {}
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
         self._model = ll.llama_model_load_from_file(model_path.encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {model_path} (corrupt or unsupported)")
+        self._vocab = LlamaVocab(self._model)
         try:
             self._init_context(config)
         except Exception:
             self.close()
             raise
-        self._vocab = ll.llama_model_get_vocab(self._model)
-        self._n_vocab = ll.llama_vocab_n_tokens(self._vocab)
-        self._piece_cache: dict[int, bytes] = {}
-        self._eog_cache: dict[int, bool] = {}
-        self._end_tokens: list[int] | None = None
         self._fault_rate = config.inject_faults
         self._faults = random.Random(0)  # the same faults in the same traffic
         if self._fault_rate > 0:
             log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
-        self.info = self._describe(model_path, config.resolved_threads())
+        self._info = self._describe(model_path, config.resolved_threads())
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def vocab(self) -> LlamaVocab:
+        """What other threads may use: tokenizer, token bytes, grammars."""
+        return self._vocab
 
     def _init_context(self, config: EngineConfig) -> None:
         threads = config.resolved_threads()
@@ -99,7 +112,7 @@ class LlamaRunner:
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
-        self._n_batch = ll.llama_n_batch(self._ctx)
+        self._n_batch: int = ll.llama_n_batch(self._ctx)
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
         self._mem = ll.llama_get_memory(self._ctx)
         self._window = _WindowProbe(self, n_seq) if windowed else None
@@ -109,15 +122,11 @@ class LlamaRunner:
         n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
-    def _token_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return ll.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
-
     def _describe(self, path: str, threads: int) -> ModelInfo:
         desc = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self._model, desc, len(desc))
         template = ll.llama_model_chat_template(self._model, None)
+        vocab = self._vocab
         return ModelInfo(
             path=path,
             architecture=self._meta("general.architecture") or "unknown",
@@ -126,72 +135,30 @@ class LlamaRunner:
             n_ctx_train=ll.llama_model_n_ctx_train(self._model),
             n_batch=self._n_batch,
             n_seq_max=ll.llama_n_seq_max(self._ctx) - (self._window is not None),
-            n_vocab=self._n_vocab,
+            n_vocab=vocab.n_vocab,
             n_swa=ll.llama_model_n_swa(self._model),
             threads=threads,
             is_recurrent=bool(ll.llama_model_is_recurrent(self._model)),
             is_hybrid=bool(ll.llama_model_is_hybrid(self._model)),
             chat_template=template.decode("utf-8", "replace") if template else None,
-            bos_text=self._token_text(ll.llama_vocab_bos(self._vocab)),
-            eos_text=self._token_text(ll.llama_vocab_eos(self._vocab)),
-            add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
+            bos_text=vocab.token_text(vocab.bos),
+            eos_text=vocab.token_text(vocab.eos),
+            add_bos=vocab.add_bos,
         )
 
-    # -- text -------------------------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        while True:
-            buf = (ll.llama_token * cap)()
-            n = ll.llama_tokenize(
-                self._vocab, data, len(data), buf, cap, add_special, parse_special
-            )
-            if n >= 0:
-                return buf[:n]
-            cap = -n
+    def start_request(self, request_id: str, params: SamplingParams) -> None:
+        if request_id in self._samplers:
+            raise ValueError(f"request {request_id} already has a sampler")
+        self._samplers[request_id] = Sampler(params, self._vocab)
 
-    def token_bytes(self, token: int) -> bytes:
-        """The token's bytes as output text: control tokens render as nothing."""
-        piece = self._piece_cache.get(token)
-        if piece is None:
-            if not 0 <= token < self._n_vocab:
-                return b""
-            buf = ctypes.create_string_buffer(64)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            piece = buf.raw[:n]
-            self._piece_cache[token] = piece
-        return piece
+    def finish_request(self, request_id: str) -> None:
+        sampler = self._samplers.pop(request_id, None)
+        if sampler is not None:
+            sampler.close()
 
-    def is_eog(self, token: int) -> bool:
-        eog = self._eog_cache.get(token)
-        if eog is None:
-            eog = self._eog_cache[token] = bool(ll.llama_vocab_is_eog(self._vocab, token))
-        return eog
-
-    # -- decoding ---------------------------------------------------------------------------
-
-    def new_sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self._vocab, self._n_vocab, self._eog_tokens())
-
-    def _eog_tokens(self) -> list[int]:
-        """Every end-of-generation token, the vocabulary's EOS first (one scan, then cached)."""
-        if self._end_tokens is None:
-            eos = ll.llama_vocab_eos(self._vocab)
-            eog = [t for t in range(self._n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)]
-            self._end_tokens = sorted(eog, key=lambda t: t != eos)
-        return self._end_tokens
-
-    def check_grammar(self, grammar: str) -> None:
-        """ValueError when llama.cpp cannot parse the GBNF text. Safe from any thread."""
-        ll.llama_sampler_free(init_grammar(self._vocab, grammar))
-
-    @staticmethod
-    def json_schema_grammar(schema: dict) -> str:
-        return json_schema_grammar(schema)
+    # -- memory -----------------------------------------------------------------------------
 
     def clear_sequence(self, seq_id: int) -> None:
         # Removing a whole sequence never fails, for KV and recurrent memory alike.
@@ -245,7 +212,7 @@ class LlamaRunner:
             batch.logits,
         )
         n = 0
-        sample_at: list[tuple[int, int]] = []  # (item index, batch index)
+        sample_at: list[tuple[int, int, str]] = []  # (item index, batch index, request id)
         for i in idx:
             item = items[i]
             seq, p = item.seq_id, item.start_pos
@@ -257,24 +224,28 @@ class LlamaRunner:
                 out[n] = 0
                 n += 1
                 p += 1
-            if item.sampler is not None:
+            if item.sample_for is not None:
                 out[n - 1] = 1
-                sample_at.append((i, n - 1))
+                sample_at.append((i, n - 1, item.sample_for))
         if n > self._n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
         batch.n_tokens = n
         result.decode_calls += 1
-        rc = ll.llama_decode(self._ctx, batch)
+        rc = int(ll.llama_decode(self._ctx, batch))
         if rc != 0:
             return rc
-        for i, b in sample_at:
-            token, logprobs = items[i].sampler.sample(self._ctx, b)  # type: ignore[union-attr]
+        for i, b, request_id in sample_at:
+            token, logprobs = self._samplers[request_id].sample(self._ctx, b)
             result.sampled[i] = token
             if logprobs is not None:
                 result.logprobs[i] = logprobs
         return 0
 
     def close(self) -> None:
+        for request_id in list(self._samplers):
+            self.finish_request(request_id)
+        if self._model is not None:
+            self._vocab.close()
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
@@ -323,12 +294,12 @@ class _WindowProbe:
             return True
         ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
         try:
-            return self._cells(self._probe) == length - lo
+            return bool(self._cells(self._probe) == length - lo)
         finally:
             ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
 
     def _size(self, seq: int) -> int:
-        return ll.llama_state_seq_get_size_ext(self._ctx, seq, _WINDOW_STATE_FLAGS)
+        return int(ll.llama_state_seq_get_size_ext(self._ctx, seq, _WINDOW_STATE_FLAGS))
 
     def _cells(self, seq: int) -> int:
         size = self._size(seq)

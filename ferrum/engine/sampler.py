@@ -16,22 +16,20 @@ end-of-generation token before the grammar is complete, an uncaught C++ exceptio
 so no token reaches `llama_sampler_accept(grammar, ...)` without passing the one-token check.
 When the grammar admits nothing at all, the sampler returns the end-of-generation token.
 
-This module and the runner are the only ones that import llama_cpp.
+This module, the runner and the vocabulary are the only ones that import llama_cpp.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
-from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp as ll
 import numpy as np
-from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from ferrum.engine.batch import TokenLogprobs
 from ferrum.engine.request import SamplingParams
+from ferrum.engine.vocab import LlamaVocab
 
 _PENALTY_LAST_N = 64
 _BAN_BIAS = -100.0  # OpenAI's convention: a bias of -100 bans the token
@@ -48,7 +46,7 @@ def _chain(params: SamplingParams, n_vocab: int) -> Any:
     if params.logit_bias:
         biases = (ll.llama_logit_bias * len(params.logit_bias))()
         for i, (token, bias) in enumerate(params.logit_bias):
-            biases[i].token = token
+            biases[i].token = ll.llama_token(token)
             biases[i].bias = -np.inf if bias <= _BAN_BIAS else bias
         add(chain, ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
     if (
@@ -81,33 +79,12 @@ def _chain(params: SamplingParams, n_vocab: int) -> Any:
     return chain
 
 
-def init_grammar(vocab: Any, grammar: str) -> Any:
-    """A grammar sampler, or ValueError when llama.cpp cannot parse the grammar."""
-    sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
-    if not sampler:
-        raise ValueError("llama.cpp could not parse the grammar")
-    return sampler
-
-
-def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """JSON Schema → GBNF, with llama-cpp-python's converter (ValueError when it cannot)."""
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise ValueError(f"the JSON schema cannot be converted to a grammar: {exc}") from exc
-
-
 class Sampler:
     """One request's sampling state: penalty history, RNG, grammar position, token count."""
 
-    def __init__(
-        self,
-        params: SamplingParams,
-        vocab: Any,
-        n_vocab: int,
-        end_tokens: Sequence[int],
-    ):
-        self._n_vocab = n_vocab
+    def __init__(self, params: SamplingParams, vocab: LlamaVocab):
+        n_vocab = self._n_vocab = vocab.n_vocab
+        end_tokens = vocab.end_tokens()
         self._num_logprobs = params.logprobs
         self._min_tokens = params.min_tokens
         self._sampled = 0
@@ -140,7 +117,7 @@ class Sampler:
         )
         if params.grammar is not None:
             try:
-                self._grammar = init_grammar(vocab, params.grammar)
+                self._grammar = vocab.grammar_sampler(params.grammar)
             except ValueError:
                 self.close()
                 raise
@@ -179,7 +156,7 @@ class Sampler:
         ll.llama_sampler_accept(self._grammar, token)
         if not self._stateless_chain:
             ll.llama_sampler_accept(self._chain, token)
-        return token
+        return int(token)
 
     def _shortlist(self, logits: np.ndarray) -> np.ndarray:
         k = min(_SHORTLIST, self._n_vocab)

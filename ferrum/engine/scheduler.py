@@ -82,6 +82,10 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def computed(self, chunk: ScheduledChunk) -> None:
+        """The runner computed the chunk's positions: the one place progress moves forward."""
+        chunk.request.num_computed_tokens = chunk.start + chunk.length
+
     def append_token(self, request: Request, token: int) -> None:
         request.append_output(token)
         self.kv.on_tokens_appended(request)
@@ -135,8 +139,10 @@ class Scheduler:
                 i += 1  # its donor is computing the shared prefix: let others go first
                 continue
             keep_free = self._watermark if self.running else 0
-            if not self.kv.admit(req, reuse, keep_free):
+            reused = self.kv.admit(req, reuse, keep_free)
+            if reused is None:
                 break  # FIFO: later requests wait behind one that does not fit
+            req.num_cached_tokens = req.num_computed_tokens = reused
             del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -263,9 +263,8 @@ class TextPipeline:
     stopped, ``feed_token`` and ``finish`` return empty deltas with
     ``stopped=True``; after ``finish`` they return empty deltas.
 
-    ``text`` and ``reasoning`` hold everything emitted so far, for non-streaming
-    responses. ``released_chars`` counts the decoded characters that passed the
-    stop matcher: the part of the tokens' raw text that is final.
+    ``released_chars`` counts the decoded characters that passed the stop
+    matcher: the part of the tokens' raw text that is final.
     """
 
     def __init__(
@@ -280,10 +279,6 @@ class TextPipeline:
         self._decoder = IncrementalDecoder()
         self._stop = StopMatcher(stop)
         self._think = ThinkSplitter(enabled=split_think, start_in_reasoning=start_in_reasoning)
-        # Lists, not str +=: augmented assignment to an attribute copies the
-        # whole string each time, which is quadratic over a long generation.
-        self._content_parts: list[str] = []
-        self._reasoning_parts: list[str] = []
         self.stopped = False
         self._finished = False
         self.released_chars = 0
@@ -291,16 +286,6 @@ class TextPipeline:
     @property
     def mid_character(self) -> bool:
         return self._decoder.mid_character
-
-    @property
-    def text(self) -> str:
-        """All content emitted so far."""
-        return _joined(self._content_parts)
-
-    @property
-    def reasoning(self) -> str:
-        """All reasoning emitted so far."""
-        return _joined(self._reasoning_parts)
 
     def feed_token(self, token_id: int) -> Delta:
         """Delta for one generated token (often empty while text is held back)."""
@@ -329,8 +314,9 @@ class TextPipeline:
         self.released_chars += len(held)
         reasoning, content = self._think.feed(held)
         tail_reasoning, tail_content = self._think.flush()
-        tail = self._record(reasoning + tail_reasoning, content + tail_content, False)
-        return Delta(delta.content + tail.content, delta.reasoning + tail.reasoning, False, raw)
+        content += tail_content
+        reasoning += tail_reasoning
+        return Delta(delta.content + content, delta.reasoning + reasoning, False, raw)
 
     def _push(self, text: str) -> Delta:
         if not text:
@@ -343,18 +329,4 @@ class TextPipeline:
             tail_reasoning, tail_content = self._think.flush()
             reasoning += tail_reasoning
             content += tail_content
-        return self._record(reasoning, content, stopped)
-
-    def _record(self, reasoning: str, content: str, stopped: bool) -> Delta:
-        if content:
-            self._content_parts.append(content)
-        if reasoning:
-            self._reasoning_parts.append(reasoning)
         return Delta(content=content, reasoning=reasoning, stopped=stopped)
-
-
-def _joined(parts: list[str]) -> str:
-    # Collapse in place so repeated reads stay cheap.
-    if len(parts) > 1:
-        parts[:] = ["".join(parts)]
-    return parts[0] if parts else ""

@@ -27,7 +27,7 @@ def engine_for(path: str, prefix_cache: bool):
 
 def _run(engine: LLMEngine, prompts: dict[str, str], max_tokens: int = 10) -> dict[str, dict]:
     for rid, p in prompts.items():
-        tokens = engine.runner.tokenize(p, True, False)
+        tokens = engine.runner.vocab.tokenize(p, True, False)
         engine.add_request(rid, tokens, sampling(max_tokens=max_tokens, ignore_eos=True))
     return run_to_completion(engine)
 
@@ -74,11 +74,11 @@ def test_continuation_of_exact_tokens_takes_over_the_parked_state(tiny_model):
     outputs = {}
     for prefix_cache in (False, True):
         with engine_for(tiny_model, prefix_cache=prefix_cache) as engine:
-            first = engine.runner.tokenize(SYSTEM, True, False)
+            first = engine.runner.vocab.tokenize(SYSTEM, True, False)
             engine.add_request("a", first, params)
             a_tokens = run_to_completion(engine)["a"]["tokens"]
             # "a" leaves first + a_tokens[:-1] resident; the follow-up extends exactly that
-            follow = first + a_tokens + engine.runner.tokenize(" the end", False, False)
+            follow = first + a_tokens + engine.runner.vocab.tokenize(" the end", False, False)
             engine.add_request("b", follow, params)
             b = run_to_completion(engine)["b"]
             outputs[prefix_cache] = (b["content"], b["final"].cached_tokens)

@@ -22,7 +22,7 @@ SHORT_OBJECT = r'root ::= "{" [a-z]{2,5} "}"'
 
 
 def _run(engine: LLMEngine, **params) -> dict:
-    engine.add_request("r", engine.runner.tokenize(PROMPT, True, False), sampling(**params))
+    engine.add_request("r", engine.runner.vocab.tokenize(PROMPT, True, False), sampling(**params))
     result = run_to_completion(engine)["r"]
     engine.check_integrity()
     return result
@@ -49,7 +49,7 @@ def test_grammar_output_matches_and_ends(tiny_llama, extra):
 def test_grammar_requests_batch_with_free_ones(tiny_llama):
     with engine_for(tiny_llama) as engine:
         alone = _run(engine, max_tokens=12, ignore_eos=True)["content"]
-        tokens = engine.runner.tokenize(PROMPT, True, False)
+        tokens = engine.runner.vocab.tokenize(PROMPT, True, False)
         for i in range(4):
             grammar = SHORT_OBJECT if i % 2 else None
             engine.add_request(
@@ -64,10 +64,10 @@ def test_grammar_requests_batch_with_free_ones(tiny_llama):
 def test_invalid_grammar_is_refused_before_any_request(tiny_llama):
     with engine_for(tiny_llama) as engine:
         with pytest.raises(ValueError):
-            engine.runner.check_grammar('root ::= "unclosed')
+            engine.runner.vocab.check_grammar('root ::= "unclosed')
         with pytest.raises(ValueError):
-            engine.runner.check_grammar("root ::= missing-rule")
-        engine.runner.check_grammar(SHORT_OBJECT)
+            engine.runner.vocab.check_grammar("root ::= missing-rule")
+        engine.runner.vocab.check_grammar(SHORT_OBJECT)
 
 
 def test_logit_bias_bans_and_forces(tiny_llama):
@@ -95,7 +95,7 @@ def test_min_tokens_holds_back_the_end(tiny_llama):
 
 def test_logprobs_are_the_models_distribution(tiny_llama):
     with engine_for(tiny_llama) as engine:
-        tokens = engine.runner.tokenize(PROMPT, True, False)
+        tokens = engine.runner.vocab.tokenize(PROMPT, True, False)
         engine.add_request("r", tokens, sampling(max_tokens=6, ignore_eos=True, logprobs=5))
         entries = []
         while engine.has_work:
@@ -114,7 +114,7 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_llama):
     with engine_for(tiny_llama) as engine:
         alone = _run(engine, **params)["tokens"]
         again = _run(engine, **params)["tokens"]
-        tokens = engine.runner.tokenize(PROMPT, True, False)
+        tokens = engine.runner.vocab.tokenize(PROMPT, True, False)
         engine.add_request("a", tokens, sampling(**params))
         engine.add_request("b", tokens, sampling(**{**params, "seed": 43}))
         batched = run_to_completion(engine)

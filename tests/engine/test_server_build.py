@@ -14,4 +14,4 @@ def test_startup_line_states_the_flags_as_given(tiny_llama):
     try:
         assert "parallel=3 " in summary and "ctx=512 " in summary and "batch=64 " in summary
     finally:
-        app.state.ferrum.engine.engine.runner.close()
+        app.state.ferrum.engine.core.runner.close()

@@ -55,7 +55,7 @@ def _holes_in_a(engine: LLMEngine, p: dict[str, list[int]]) -> int:
     _run(engine, "x", p["x"], 4)
     _run(engine, "a", p["a"], 40)
     _run(engine, "y", p["y"], 4)
-    (donor,) = [q for q in engine.kv.parked if q.token_ids[: len(p["s"])] == p["s"]]
+    (donor,) = [q for q in engine.kv_manager.parked if q.all_token_ids[: len(p["s"])] == p["s"]]
     return donor.seq_id
 
 
@@ -82,7 +82,7 @@ def test_donor_without_its_window_is_passed_over(tiny_gemma3):
         assert ll.llama_memory_seq_pos_min(engine.runner._mem, donor) > len(p["s"]) - 8
         assert not engine.runner.holds_window(donor, len(p["s"]))
         b = _run(engine, "b", p["b"], 12)
-        assert engine.kv.window_fallbacks == 1
+        assert engine.kv_manager.window_fallbacks == 1
         assert b["final"].cached_tokens == 0
         assert b["tokens"] == fresh
 

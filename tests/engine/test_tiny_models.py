@@ -41,7 +41,7 @@ def engine_for(path: str, **cfg):
 def _generate(engine: LLMEngine, prompts: list[str], max_tokens: int = 12) -> list[str]:
     params = sampling(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", engine.runner.tokenize(p, True, False), params)
+        engine.add_request(f"r{i}", engine.runner.vocab.tokenize(p, True, False), params)
     results = run_to_completion(engine)
     assert all(results[f"r{i}"]["final"].finish_reason == "length" for i in range(len(prompts)))
     return [results[f"r{i}"]["content"] for i in range(len(prompts))]
@@ -65,14 +65,14 @@ def test_reused_sequence_ids_start_clean(tiny_model):
 
 def test_abort_mid_generation_leaves_no_trace(tiny_model):
     with engine_for(tiny_model, parallel=1) as engine:
-        prompt = engine.runner.tokenize(PROMPTS[1], True, False)
+        prompt = engine.runner.vocab.tokenize(PROMPTS[1], True, False)
         engine.add_request("x", prompt, sampling(max_tokens=50))
         for _ in range(5):
             engine.step()
         engine.abort("x")
         after = _generate(engine, [PROMPTS[0]])
-        engine.kv.drop_parked()
-        assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
+        engine.kv_manager.drop_parked()
+        assert engine.kv_manager.blocks.num_free == engine.kv_manager.blocks.num_blocks
     with engine_for(tiny_model, parallel=1) as fresh:
         assert _generate(fresh, [PROMPTS[0]]) == after
 
@@ -136,12 +136,14 @@ def test_runner_text_and_model_facts(tiny_llama, tiny_mamba):
     cfg = EngineConfig(ctx_size=256, parallel=2, batch_size=32, threads=1)
     r = LlamaRunner(cfg, tiny_llama)
     try:
+        vocab = r.vocab
         text = "Hello, wörld! 你好"
-        toks = r.tokenize(text, False, False)
-        assert b"".join(r.token_bytes(t) for t in toks).decode() == text
-        assert r.tokenize("<|im_end|>", False, True) == [IM_END_ID]
-        assert r.token_bytes(IM_END_ID) == b""  # control tokens never become text
-        assert r.is_eog(EOS_ID) and r.is_eog(IM_END_ID)
+        toks = vocab.tokenize(text, False, False)
+        assert b"".join(vocab.token_bytes(t) for t in toks).decode() == text
+        assert vocab.tokenize("<|im_end|>", False, True) == [IM_END_ID]
+        assert vocab.token_bytes(IM_END_ID) == b""  # control tokens never become text
+        assert vocab.is_eog(EOS_ID) and vocab.is_eog(IM_END_ID)
+        assert vocab.end_tokens()[0] == EOS_ID and IM_END_ID in vocab.end_tokens()
         assert r.info.chat_template and not r.info.is_recurrent
     finally:
         r.close()
@@ -151,6 +153,28 @@ def test_runner_text_and_model_facts(tiny_llama, tiny_mamba):
         assert m.info.is_recurrent and m.info.chat_template is None
     finally:
         m.close()
+
+
+def test_a_grammar_is_parsed_once_and_each_request_gets_its_own_copy(tiny_llama):
+    """The API's check keeps the parsed grammar; each request's sampler is a clone of it, so
+    two requests with the same grammar constrain independently (one's progress is not the
+    other's) and are freed on their own."""
+    cfg = EngineConfig(ctx_size=256, parallel=2, batch_size=32, threads=1)
+    r = LlamaRunner(cfg, tiny_llama)
+    try:
+        grammar = 'root ::= "hello" " world"'
+        r.vocab.check_grammar(grammar)
+        r.vocab.check_grammar(grammar)
+        assert list(r.vocab._grammars) == [grammar]
+        engine = LLMEngine(r, block_size=16, max_running=2)
+        params = sampling(max_tokens=32, grammar=grammar)
+        for rid in ("a", "b"):
+            engine.add_request(rid, r.vocab.tokenize("say:", True, False), params)
+        outs = run_to_completion(engine)
+        assert outs["a"]["content"] == outs["b"]["content"] == "hello world"
+        assert not r._samplers  # both freed when they finished
+    finally:
+        r.close()
 
 
 def test_missing_or_corrupt_model_is_a_clear_error(tmp_path):

@@ -81,7 +81,7 @@ def test_completions_stream_and_whole_agree(client):
     ("body", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": "hi"}, "messages"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -320,3 +320,20 @@ def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
     assert got[-1] == "data: [DONE]\n\n"
     assert json.loads(got[-2].removeprefix("data: "))["error"]["code"] == "request_timeout"
     assert 1 <= len(got) - 2 <= 3 and aborted == [1]
+
+
+def test_a_client_gone_from_a_whole_response_is_a_typed_error_not_a_cancellation():
+    """A non-streamed request whose client hangs up ends through the error path (one log
+    line), not a CancelledError that Starlette logs as a crash with a traceback."""
+    from ferrum.api.serving import _unless_gone
+    from ferrum.errors import ClientGone
+
+    class _Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    async def forever() -> None:
+        await asyncio.sleep(60)
+
+    with pytest.raises(ClientGone):
+        asyncio.run(_unless_gone(_Gone(), forever(), None))  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ def _wait_idle(client, state) -> dict:
     deadline = time.monotonic() + 10
     while True:
         health = client.get("/health", timeout=RESPONSE_TIMEOUT_S).json()
-        idle = not state.engine._streams and not state.engine.engine.has_work
+        idle = not state.engine._streams and not state.engine.core.has_work
         if (idle and health["active_requests"] == 0) or time.monotonic() > deadline:
             return health
         time.sleep(0.05)
@@ -100,10 +100,10 @@ def test_the_api_survives_fuzzing_of_its_own_schema(app, capsys):
     assert health["status"] == "ok" and state.engine.alive
     assert health["active_requests"] == 0 and health["queue_depth"] == 0
     assert not state.engine._streams, "requests still held after the fuzzing"
-    engine = state.engine.engine
+    engine = state.engine.core
     engine.check_integrity()  # safe here: the engine thread is idle, waiting for commands
-    held = engine.kv.blocks.num_blocks - engine.kv.blocks.num_free
-    assert held == engine.kv.parked.num_blocks, "KV blocks held outside parked prefixes"
+    held = engine.kv_manager.blocks.num_blocks - engine.kv_manager.blocks.num_free
+    assert held == engine.kv_manager.parked.num_blocks, "KV blocks held outside parked prefixes"
 
     cases = sum(tally.values())
     statuses = Counter(status for (_, _, status) in tally.elements())

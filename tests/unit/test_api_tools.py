@@ -134,7 +134,7 @@ def test_tool_turns_round_trip():
         ({"parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]},
-            "messages.0.tool_calls.0.function",
+            "messages[0].tool_calls[0].function",
         ),
     ],
 )

@@ -93,9 +93,9 @@ def test_abort_frees_everything_and_other_requests_continue():
     assert engine.abort("a") is None  # idempotent
     res = run_to_completion(engine)
     assert res["b"]["final"].finish_reason == "length"
-    engine.kv.drop_parked()
-    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
-    assert all(s.closed for s in runner.samplers)
+    engine.kv_manager.drop_parked()
+    assert engine.kv_manager.blocks.num_free == engine.kv_manager.blocks.num_blocks
+    assert not runner.samplers and runner.closed_samplers  # every sampler freed
 
 
 def test_a_decode_fault_fails_only_its_request_and_the_sequence_is_cleared():
@@ -170,10 +170,10 @@ def test_random_workloads_never_leak_blocks_or_sequence_ids(ops):
         engine.check_integrity()
     runner.fail_seqs.clear()
     run_to_completion(engine)
-    engine.kv.drop_parked()
+    engine.kv_manager.drop_parked()
     engine.check_integrity()
-    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
-    assert engine.kv.seq_ids.num_free == 6
+    assert engine.kv_manager.blocks.num_free == engine.kv_manager.blocks.num_blocks
+    assert engine.kv_manager.seq_ids.num_free == 6
 
 
 def test_a_parked_sequence_holding_every_block_never_blocks_admission():
@@ -200,7 +200,7 @@ def test_a_request_that_cannot_fit_evicts_no_parked_sequence():
     for i in range(2):  # two parked sequences of 3 blocks each
         engine.add_request(f"p{i}", byte_tokenize(f"{i} parked " * 4), sampling(max_tokens=4))
     run_to_completion(engine)
-    parked = {p.seq_id for p in engine.kv.parked}
+    parked = {p.seq_id for p in engine.kv_manager.parked}
     assert len(parked) == 2
     engine.add_request("long", byte_tokenize("x" * 60), sampling(max_tokens=30))  # 4-6 blocks
     for _ in range(3):
@@ -209,8 +209,8 @@ def test_a_request_that_cannot_fit_evicts_no_parked_sequence():
     engine.add_request("big", byte_tokenize("y" * 200), sampling(max_tokens=2))
     engine.step()
     assert [r.request_id for r in engine.scheduler.waiting] == ["big"]
-    assert {p.seq_id for p in engine.kv.parked} == parked  # nothing evicted in vain
-    assert engine.kv.evictions == 0
+    assert {p.seq_id for p in engine.kv_manager.parked} == parked  # nothing evicted in vain
+    assert engine.kv_manager.evictions == 0
     res = run_to_completion(engine)
     assert res["big"]["final"].finish_reason == "length"
 
@@ -231,5 +231,5 @@ def test_a_failed_admission_keeps_no_sequence_id_or_block():
         engine.step()
     engine.fail_all("engine fault")
     engine.check_integrity()
-    kv = engine.kv
+    kv = engine.kv_manager
     assert kv.seq_ids.num_free == kv.seq_ids.size - len(kv.parked)

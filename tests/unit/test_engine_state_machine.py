@@ -42,14 +42,14 @@ class _PumpedAsyncEngine(AsyncEngine):
 
     def pump(self) -> list[RequestOutput]:
         outputs = self._drain_commands(block=False)
-        if self.engine.has_work:
-            outputs.extend(self.engine.step())
+        if self.core.has_work:
+            outputs.extend(self.core.step())
         self._dispatch(outputs)
         return outputs
 
     @property
     def idle(self) -> bool:
-        return not self.engine.has_work and self._commands.empty()
+        return not self.core.has_work and self._commands.empty()
 
 
 @dataclass
@@ -234,7 +234,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.outputs[rid][-1].finished, f"{rid} never ended"
             assert client.hung_up or client.finish_reason is not None, f"{rid}: no finish seen"
         assert not self.front._streams, "streams left behind"
-        kv = self.engine.kv
+        kv = self.engine.kv_manager
         used = kv.blocks.num_blocks - kv.blocks.num_free
         assert used == kv.parked.num_blocks, "blocks held outside parked sequences"
         kv.drop_parked()
@@ -242,7 +242,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert kv.blocks.num_free == kv.blocks.num_blocks
         assert kv.seq_ids.num_free == kv.seq_ids.size
         if isinstance(self.runner, FakeRunner):
-            assert all(s.closed for s in self.runner.samplers)
+            assert not self.runner.samplers, "samplers left behind"
 
 
 EngineMachine.TestCase.settings = settings(

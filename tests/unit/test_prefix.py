@@ -103,7 +103,7 @@ def test_next_turn_of_a_conversation_takes_over_its_parked_sequence():
         history += out["content"] + f"\nUser: and {turn}?\nAssistant:"
     assert turns[0] == 0 and all(c > 0 for c in turns[1:])
     assert runner.copies == []  # every turn continued the previous turn's own sequence
-    assert len(engine.kv.parked) == 1
+    assert len(engine.kv_manager.parked) == 1
 
 
 def test_parked_sequences_are_evicted_lru_under_block_pressure():
@@ -112,8 +112,11 @@ def test_parked_sequences_are_evicted_lru_under_block_pressure():
     for i in range(6):  # each ~60 positions: 256 cells cannot keep them all
         _run(engine, {f"r{i}": f"{i} " * 26}, max_tokens=6)
         engine.check_integrity()
-    assert engine.kv.evictions > 0
-    assert engine.kv.blocks.num_free + engine.kv.parked.num_blocks == engine.kv.blocks.num_blocks
+    assert engine.kv_manager.evictions > 0
+    assert (
+        engine.kv_manager.blocks.num_free + engine.kv_manager.parked.num_blocks
+        == engine.kv_manager.blocks.num_blocks
+    )
     latest = _run(engine, {"again": "5 " * 26}, max_tokens=6)["again"]
     assert latest["final"].cached_tokens > 0  # the most recent one survived
 
@@ -166,9 +169,9 @@ def test_random_shared_prefix_workloads_keep_the_ledger_and_the_outputs(plan):
     for rid, text in expected.items():
         if rid not in aborted:
             assert contents.get(rid, "") == text
-    engine.kv.drop_parked()
+    engine.kv_manager.drop_parked()
     engine.check_integrity()
-    assert engine.kv.blocks.num_free == engine.kv.blocks.num_blocks
+    assert engine.kv_manager.blocks.num_free == engine.kv_manager.blocks.num_blocks
 
 
 def test_a_donor_that_lost_its_window_gives_way_to_the_next_owner():
@@ -185,10 +188,10 @@ def test_a_donor_that_lost_its_window_gives_way_to_the_next_owner():
     third = _run(engine, {"b": SYSTEM + "third question"})["b"]
     assert third["final"].cached_tokens == shared  # from c
     assert runner.copies[-1][0] != a_seq
-    assert engine.kv.window_fallbacks == 1
+    assert engine.kv_manager.window_fallbacks == 1
     assert third["content"] == _fresh(SYSTEM + "third question")
-    runner.lost_windows |= {p.seq_id for p in engine.kv.parked}
+    runner.lost_windows |= {p.seq_id for p in engine.kv_manager.parked}
     fourth = _run(engine, {"d": SYSTEM + "fourth question"})["d"]
     assert fourth["final"].cached_tokens == 0
-    assert engine.kv.window_fallbacks == 2
+    assert engine.kv_manager.window_fallbacks == 2
     assert fourth["content"] == _fresh(SYSTEM + "fourth question")

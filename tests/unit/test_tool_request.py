@@ -11,10 +11,13 @@ from typing import Any
 
 import llama_cpp as ll
 import pytest
+from pydantic import ValidationError
 
+from ferrum.api.grammar import GrammarBuilder
+from ferrum.api.protocol import ChatCompletionRequest, invalid_request
 from ferrum.api.tool_calls import FORMATS, ToolFormat
 from ferrum.api.tool_request import ToolRequest
-from ferrum.engine.sampler import init_grammar, json_schema_grammar
+from ferrum.engine.vocab import LlamaVocab
 from ferrum.errors import InvalidRequest
 from tests.tiny_models import EOS_ID, write_tiny_llama
 
@@ -57,35 +60,45 @@ TOOLS = [WEATHER, TIME, ORDER]
 _QUIET = ll.llama_log_callback(lambda level, text, data: None)
 
 
-class _TinyGrammarRunner:
-    """The two runner methods grammars need, over a vocabulary-only tiny model."""
+def _tool_request(tools: Any, choice: Any = None, parallel: Any = None) -> ToolRequest:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as the API reads them: through the
+    request model (shape errors are a 400 naming the parameter), then related."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    for key, value in (
+        ("tools", tools),
+        ("tool_choice", choice),
+        ("parallel_tool_calls", parallel),
+    ):
+        if value is not None:
+            body[key] = value
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors()) from exc
+    return ToolRequest.from_body(req.tools, req.tool_choice, req.parallel_tool_calls)
 
-    def __init__(self, vocab: Any):
+
+class _TinyGrammars:
+    """The grammar builder over a vocabulary-only tiny model, and a token-by-token walk."""
+
+    def __init__(self, vocab: LlamaVocab):
         self.vocab = vocab
+        self.builder = GrammarBuilder(vocab)
 
-    @staticmethod
-    def json_schema_grammar(schema: dict[str, Any]) -> str:
-        return json_schema_grammar(schema)
-
-    def check_grammar(self, grammar: str) -> None:
-        ll.llama_sampler_free(init_grammar(self.vocab, grammar))
+    def force(self, fmt: ToolFormat, *body: Any) -> str | None:
+        """The grammar of a request with these tools, tool_choice and parallel_tool_calls."""
+        return self.builder.for_tools(_tool_request(*body), fmt)
 
     def accepts(self, grammar: str, text: str) -> bool:
-        sampler = init_grammar(self.vocab, grammar)
+        sampler = self.vocab.grammar_sampler(grammar)
         try:
-            for token in self._tokenize(text):
+            for token in self.vocab.tokenize(text, False, False):
                 if not self._allows(sampler, token):
                     return False
                 ll.llama_sampler_accept(sampler, token)
             return self._allows(sampler, EOS_ID)  # complete: end of generation is allowed
         finally:
             ll.llama_sampler_free(sampler)
-
-    def _tokenize(self, text: str) -> list[int]:
-        data = text.encode()
-        buf = (ll.llama_token * (len(data) + 8))()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, False)
-        return list(buf[:n])
 
     @staticmethod
     def _allows(sampler: Any, token: int) -> bool:
@@ -96,7 +109,7 @@ class _TinyGrammarRunner:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> Iterator[_TinyGrammarRunner]:
+def grammars(tmp_path_factory) -> Iterator[_TinyGrammars]:
     path = write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
     ll.llama_log_set(_QUIET, ctypes.c_void_p(0))
     ll.llama_backend_init()
@@ -104,7 +117,9 @@ def runner(tmp_path_factory) -> Iterator[_TinyGrammarRunner]:
     params.vocab_only = True
     model = ll.llama_model_load_from_file(str(path).encode(), params)
     assert model
-    yield _TinyGrammarRunner(ll.llama_model_get_vocab(model))
+    vocab = LlamaVocab(model)
+    yield _TinyGrammars(vocab)
+    vocab.close()
     ll.llama_model_free(model)
 
 
@@ -118,52 +133,52 @@ ORDER_CALL = ("place_order", {"items": [{"sku": "A1", "qty": 2}]})
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
-def test_required_admits_any_tool_and_parallel_calls(runner, fmt):
-    grammar = ToolRequest.from_body(TOOLS, "required").grammar(fmt, runner)
+def test_required_admits_any_tool_and_parallel_calls(grammars, fmt):
+    grammar = grammars.force(fmt, TOOLS, "required")
     assert grammar is not None
-    assert runner.accepts(grammar, _call(fmt, PARIS))
-    assert runner.accepts(grammar, _call(fmt, ("get_time", {})))
-    assert runner.accepts(grammar, _call(fmt, ORDER_CALL))
-    assert runner.accepts(grammar, _call(fmt, PARIS, OSLO, ORDER_CALL))
+    assert grammars.accepts(grammar, _call(fmt, PARIS))
+    assert grammars.accepts(grammar, _call(fmt, ("get_time", {})))
+    assert grammars.accepts(grammar, _call(fmt, ORDER_CALL))
+    assert grammars.accepts(grammar, _call(fmt, PARIS, OSLO, ORDER_CALL))
     # ... and what it admits parses back to the same calls.
     _, parsed = fmt.parse(_call(fmt, PARIS, ORDER_CALL))
     assert [(c.name, json.loads(c.arguments)) for c in parsed] == [PARIS, ORDER_CALL]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
-def test_required_refuses_anything_but_valid_calls(runner, fmt):
-    grammar = ToolRequest.from_body(TOOLS, "required").grammar(fmt, runner)
-    assert not runner.accepts(grammar, "The weather is fine.")
-    assert not runner.accepts(grammar, "Sure. " + _call(fmt, PARIS))
-    assert not runner.accepts(grammar, _call(fmt, ("get_wether", {"city": "Paris"})))
-    assert not runner.accepts(grammar, _call(fmt, ("get_weather", {"town": "Paris"})))
-    assert not runner.accepts(grammar, _call(fmt, ("get_weather", {"city": 7})))
-    assert not runner.accepts(grammar, _call(fmt, ("get_weather", {"city": "P", "unit": "K"})))
-    assert not runner.accepts(grammar, _call(fmt, ("place_order", {"items": [{"sku": "A1"}]})))
-    assert not runner.accepts(grammar, "")  # at least one call
+def test_required_refuses_anything_but_valid_calls(grammars, fmt):
+    grammar = grammars.force(fmt, TOOLS, "required")
+    assert not grammars.accepts(grammar, "The weather is fine.")
+    assert not grammars.accepts(grammar, "Sure. " + _call(fmt, PARIS))
+    assert not grammars.accepts(grammar, _call(fmt, ("get_wether", {"city": "Paris"})))
+    assert not grammars.accepts(grammar, _call(fmt, ("get_weather", {"town": "Paris"})))
+    assert not grammars.accepts(grammar, _call(fmt, ("get_weather", {"city": 7})))
+    assert not grammars.accepts(grammar, _call(fmt, ("get_weather", {"city": "P", "unit": "K"})))
+    assert not grammars.accepts(grammar, _call(fmt, ("place_order", {"items": [{"sku": "A1"}]})))
+    assert not grammars.accepts(grammar, "")  # at least one call
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
-def test_a_named_function_is_called_exactly_once(runner, fmt):
+def test_a_named_function_is_called_exactly_once(grammars, fmt):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    grammar = ToolRequest.from_body(TOOLS, choice).grammar(fmt, runner)
-    assert runner.accepts(grammar, _call(fmt, OSLO))
-    assert not runner.accepts(grammar, _call(fmt, ("get_time", {})))
-    assert not runner.accepts(grammar, _call(fmt, PARIS, OSLO))
+    grammar = grammars.force(fmt, TOOLS, choice)
+    assert grammars.accepts(grammar, _call(fmt, OSLO))
+    assert not grammars.accepts(grammar, _call(fmt, ("get_time", {})))
+    assert not grammars.accepts(grammar, _call(fmt, PARIS, OSLO))
 
 
-def test_parallel_false_allows_one_call(runner):
-    grammar = ToolRequest.from_body(TOOLS, "required", False).grammar(FORMATS["hermes"], runner)
-    assert runner.accepts(grammar, _call(FORMATS["hermes"], PARIS))
-    assert not runner.accepts(grammar, _call(FORMATS["hermes"], PARIS, OSLO))
+def test_parallel_false_allows_one_call(grammars):
+    grammar = grammars.force(FORMATS["hermes"], TOOLS, "required", False)
+    assert grammars.accepts(grammar, _call(FORMATS["hermes"], PARIS))
+    assert not grammars.accepts(grammar, _call(FORMATS["hermes"], PARIS, OSLO))
 
 
 @pytest.mark.parametrize("choice", [None, "auto", "none"])
-def test_free_choices_have_no_grammar(runner, choice):
-    assert ToolRequest.from_body(TOOLS, choice).grammar(FORMATS["hermes"], runner) is None
+def test_free_choices_have_no_grammar(grammars, choice):
+    assert grammars.force(FORMATS["hermes"], TOOLS, choice) is None
 
 
-def test_same_def_names_in_two_functions_stay_apart(runner):
+def test_same_def_names_in_two_functions_stay_apart(grammars):
     def with_def(name: str, item_type: str) -> dict:
         parameters = {
             "$defs": {"Item": {"type": item_type}},
@@ -175,13 +190,13 @@ def test_same_def_names_in_two_functions_stay_apart(runner):
 
     tools = [with_def("a", "string"), with_def("b", "integer")]
     fmt = FORMATS["hermes"]
-    grammar = ToolRequest.from_body(tools, "required").grammar(fmt, runner)
-    assert runner.accepts(grammar, _call(fmt, ("a", {"x": "s"}), ("b", {"x": 1})))
-    assert not runner.accepts(grammar, _call(fmt, ("a", {"x": 1})))
-    assert not runner.accepts(grammar, _call(fmt, ("b", {"x": "s"})))
+    grammar = grammars.force(fmt, tools, "required")
+    assert grammars.accepts(grammar, _call(fmt, ("a", {"x": "s"}), ("b", {"x": 1})))
+    assert not grammars.accepts(grammar, _call(fmt, ("a", {"x": 1})))
+    assert not grammars.accepts(grammar, _call(fmt, ("b", {"x": "s"})))
 
 
-def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_forced(runner):
+def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_forced(grammars):
     tool = {
         "type": "function",
         "function": {
@@ -192,24 +207,24 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_forced(runner)
             },
         },
     }
-    assert ToolRequest.from_body([WEATHER, tool], "auto").grammar(FORMATS["hermes"], runner) is None
+    assert grammars.force(FORMATS["hermes"], [WEATHER, tool], "auto") is None
     with pytest.raises(InvalidRequest) as err:
-        ToolRequest.from_body([WEATHER, tool], "required").grammar(FORMATS["hermes"], runner)
+        grammars.force(FORMATS["hermes"], [WEATHER, tool], "required")
     assert err.value.param == "tools[1].function.parameters"
 
 
 def test_defaults_follow_openai():
-    assert ToolRequest.from_body(None).mode == "none"
-    assert ToolRequest.from_body([]).mode == "none"
-    request = ToolRequest.from_body(TOOLS)
+    assert _tool_request(None).mode == "none"
+    assert _tool_request([]).mode == "none"
+    request = _tool_request(TOOLS)
     assert (request.mode, request.parallel, request.active) == ("auto", True, True)
-    assert ToolRequest.from_body(None, "auto").mode == "none"
-    none = ToolRequest.from_body(TOOLS, "none")
+    assert _tool_request(None, "auto").mode == "none"
+    none = _tool_request(TOOLS, "none")
     assert not none.active and none.template_tools() is None
 
 
 def test_template_tools_are_openai_tool_dicts():
-    tools = ToolRequest.from_body(TOOLS).template_tools()
+    tools = _tool_request(TOOLS).template_tools()
     assert tools is not None
     assert tools[0] == WEATHER
     assert tools[1] == {
@@ -226,7 +241,7 @@ def _fn(**spec: Any) -> dict:
     ("tools", "choice", "parallel", "param"),
     [
         ("get_weather", None, None, "tools"),
-        ([{"type": "retrieval"}], None, None, "tools[0]"),
+        ([{"type": "retrieval"}], None, None, "tools[0].type"),
         ([{"type": "function"}], None, None, "tools[0].function"),
         ([_fn(description="no name")], None, None, "tools[0].function.name"),
         ([_fn(name="has space")], None, None, "tools[0].function.name"),
@@ -249,6 +264,6 @@ def _fn(**spec: Any) -> dict:
 )
 def test_malformed_tool_requests_name_the_parameter(tools, choice, parallel, param):
     with pytest.raises(InvalidRequest) as err:
-        ToolRequest.from_body(tools, choice, parallel)
+        _tool_request(tools, choice, parallel)
     assert err.value.param == param
     assert err.value.status == 400

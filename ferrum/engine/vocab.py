@@ -1,0 +1,142 @@
+"""The model's vocabulary: tokenizer, token bytes, end-of-generation tokens, grammars.
+
+Read-only once the model is loaded, so any thread may use it: the API tokenizes and checks
+grammars in worker threads while the engine thread decodes (llama.cpp's tokenizer and grammar
+parser only read the vocabulary). The runner that loaded the model owns it and frees it after
+this object.
+
+Grammars are parsed once: `check_grammar` keeps the parsed grammar (least recently used
+first out, bounded), and each request's sampler is a copy of it (`llama_sampler_clone`, no
+parsing), taken on the engine thread. The lock guards only the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llama_cpp as ll
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+_GRAMMARS_KEPT = 64
+
+
+class LlamaVocab:
+    def __init__(self, model: Any):
+        self._vocab = ll.llama_model_get_vocab(model)
+        self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
+        self._piece_cache: dict[int, bytes] = {}
+        self._eog_cache: dict[int, bool] = {}
+        self._end_tokens: list[int] | None = None
+        self._grammars: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- text -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(
+                self._vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's bytes as output text: control tokens render as nothing."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                return b""
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the vocabulary spells it (control tokens included)."""
+        if token < 0:
+            return ""
+        text: bytes = ll.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        eog = self._eog_cache.get(token)
+        if eog is None:
+            eog = self._eog_cache[token] = bool(ll.llama_vocab_is_eog(self._vocab, token))
+        return eog
+
+    def end_tokens(self) -> list[int]:
+        """Every end-of-generation token, the vocabulary's EOS first (one scan, then kept)."""
+        if self._end_tokens is None:
+            eos = ll.llama_vocab_eos(self._vocab)
+            eog = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)]
+            self._end_tokens = sorted(eog, key=lambda t: t != eos)
+        return self._end_tokens
+
+    @property
+    def bos(self) -> int:
+        return int(ll.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(ll.llama_vocab_eos(self._vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(ll.llama_vocab_get_add_bos(self._vocab))
+
+    # -- grammars ---------------------------------------------------------------------------
+
+    @staticmethod
+    def json_schema_grammar(schema: dict[str, Any]) -> str:
+        """JSON Schema → GBNF, with llama-cpp-python's converter (ValueError when it cannot)."""
+        try:
+            return str(json_schema_to_gbnf(json.dumps(schema)))
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ValueError(f"the JSON schema cannot be converted to a grammar: {exc}") from exc
+
+    def check_grammar(self, grammar: str) -> None:
+        """ValueError when llama.cpp cannot parse the GBNF text; else it is kept parsed."""
+        with self._lock:
+            if grammar in self._grammars:
+                self._grammars.move_to_end(grammar)
+                return
+        parsed = self._parse(grammar)  # outside the lock: parsing a large grammar takes time
+        with self._lock:
+            if grammar in self._grammars:
+                ll.llama_sampler_free(parsed)
+                return
+            self._grammars[grammar] = parsed
+            while len(self._grammars) > _GRAMMARS_KEPT:
+                ll.llama_sampler_free(self._grammars.popitem(last=False)[1])
+
+    def grammar_sampler(self, grammar: str) -> Any:
+        """A fresh grammar sampler (at the grammar's start) that the caller owns and frees."""
+        self.check_grammar(grammar)
+        with self._lock:
+            parsed = self._grammars.get(grammar)
+            if parsed is not None:
+                return ll.llama_sampler_clone(parsed)
+        return self._parse(grammar)  # pushed out by other grammars in between
+
+    def _parse(self, grammar: str) -> Any:
+        sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), b"root")
+        if not sampler:
+            raise ValueError("llama.cpp could not parse the grammar")
+        return sampler
+
+    def close(self) -> None:
+        with self._lock:
+            while self._grammars:
+                ll.llama_sampler_free(self._grammars.popitem()[1])
