@@ -122,7 +122,7 @@ def _ttft(plt: Any, tables: Tables, arms: Labels, s: BenchSettings) -> Any:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(labels))
     for i, arm in enumerate(labels):
-        spreads = [_row(tables[w], k)["arms"].get(arm) for w, k, _ in series]
+        spreads = [(_row(tables[w], k) or {"arms": {}})["arms"].get(arm) for w, k, _ in series]
         med, err = _errors(spreads)
         xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(series))]
         ax.bar(xs, med, width, yerr=err, capsize=2, label=arm)

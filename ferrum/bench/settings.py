@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "engine")
 
@@ -49,7 +50,7 @@ class BenchSettings:
     request_timeout_s: float = 300.0
     measurement_timeout_s: float = 600.0  # one workload on one server, all requests together
 
-    def replace(self, **changes: object) -> BenchSettings:
+    def replace(self, **changes: Any) -> BenchSettings:
         return dataclasses.replace(self, **changes)
 
 

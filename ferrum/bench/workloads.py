@@ -143,9 +143,9 @@ async def multiturn(ctx: Context) -> tuple[dict, Metrics]:
     metrics: Metrics = {}
     for t in range(t_n):
         metrics[f"turn{t + 1}.ttft"] = statistics.median(
-            c[t].ttft_s for c in convs if c[t].ttft_s is not None
+            ttft for c in convs if (ttft := c[t].ttft_s) is not None
         )
-    later = [c[t].ttft_s for c in convs for t in range(1, t_n) if c[t].ttft_s is not None]
+    later = [ttft for c in convs for t in range(1, t_n) if (ttft := c[t].ttft_s) is not None]
     metrics["later.ttft_mean"] = statistics.fmean(later) if later else None
     metrics["last.prompt_tokens"] = _median_prompt([c[-1] for c in convs])
     metrics["cached_tokens"] = _cached_sum([x for c in convs for x in c])
