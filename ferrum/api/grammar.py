@@ -26,8 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+import jsonschema_rs
 
 from ferrum.api.protocol import ResponseFormat
 from ferrum.api.tool_calls import ToolFormat
@@ -144,11 +143,17 @@ def check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON object", param=param)
     try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
+        # jsonschema-rs: the draft 2020-12 metaschema check in ~0.05 ms where the pure-Python
+        # jsonschema takes ~20 ms of held GIL (stalling the engine thread) on a 60-property
+        # schema.
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.instance_path)
         raise InvalidRequest(
-            f"{param} is not a valid JSON schema: {exc.message}", param=param
+            f"{param}{where} is not a valid JSON schema: {exc.message}", param=param
         ) from exc
+    except jsonschema_rs.ReferencingError as exc:
+        raise InvalidRequest(f"{param} is not a valid JSON schema: {exc}", param=param) from exc
     for path, node in _walk(schema, param):
         for key, value in node.items():
             if key not in _ENFORCED and key not in _ANNOTATIONS:
@@ -163,6 +168,14 @@ def check_schema(schema: Any, param: str) -> None:
                     f"{', '.join(sorted(_FORMATS))})",
                     param=param,
                 )
+            if key == "pattern":
+                try:
+                    re.compile(value)
+                except re.error as exc:
+                    raise InvalidRequest(
+                        f"{path}: pattern {value!r} is not a regular expression: {exc}",
+                        param=param,
+                    ) from exc
             if key == "$ref" and not str(value).startswith("#"):
                 raise InvalidRequest(f"{path}: only local $refs (#/...) are supported", param=param)
 

@@ -58,7 +58,9 @@ class ServerProcess:
     """One started server, in its own session so that its whole process group can be
     signalled (and its CPU time counted) at once."""
 
-    def __init__(self, cmd: list[str], log_path: Path, port: int):
+    def __init__(
+        self, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None
+    ):
         self.cmd, self.log_path, self.port = cmd, log_path, port
         self.url = f"http://127.0.0.1:{port}"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +71,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
             )
 
     @property

@@ -103,7 +103,8 @@ class LlamaVocab:
         """JSON Schema → GBNF, with llama-cpp-python's converter (ValueError when it cannot)."""
         try:
             return str(json_schema_to_gbnf(json.dumps(schema)))
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError, AssertionError) as exc:
+            # The converter asserts what it cannot convert (e.g. a pattern without ^...$).
             raise ValueError(f"the JSON schema cannot be converted to a grammar: {exc}") from exc
 
     def check_grammar(self, grammar: str) -> None:

@@ -143,3 +143,22 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(extra, param):
         r = client.post("/v1/chat/completions", json=_chat(**extra))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": 5},
+        {"type": "object", "properties": {"a": {"type": "strin"}}},
+        {"type": "object", "required": "a"},
+        {"type": "string", "pattern": "(unclosed"},
+        {"type": "string", "pattern": "abc"},  # the converter needs ^...$
+        {"type": "integer", "minimum": 3},  # not enforceable
+    ],
+)
+def test_a_bad_or_unenforceable_schema_is_a_400_naming_it(schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with TestClient(fake_app()) as client:
+        r = client.post("/v1/chat/completions", json=_chat(response_format=fmt))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
