@@ -233,3 +233,34 @@ def test_a_failed_admission_keeps_no_sequence_id_or_block():
     engine.check_integrity()
     kv = engine.kv_manager
     assert kv.seq_ids.num_free == kv.seq_ids.size - len(kv.parked)
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_step():
+    """Requests sent together reach the engine a few milliseconds apart; an idle engine that
+    stepped on the first would make the others wait a whole step for their prefill."""
+    import asyncio
+
+    from ferrum.engine.async_engine import AsyncEngine
+
+    async def burst(gather: tuple[float, float], gap_s: float) -> list[int]:
+        runner = FakeRunner()
+        front = AsyncEngine(fake_engine(runner), gather=gather)
+        front.start()
+        try:
+            streams = []
+            for i in range(4):
+                prompt = byte_tokenize(f"request {i}")
+                streams.append(front.submit(f"r{i}", prompt, sampling(max_tokens=2), True))
+                await asyncio.sleep(gap_s)
+            for s in streams:
+                async for _ in s:
+                    pass
+        finally:
+            await front.stop()
+        return runner.batch_sizes
+
+    prompt_tokens = len(byte_tokenize("request 0"))
+    gathered = asyncio.run(burst((0.2, 2.0), 0.01))  # a quiet window wider than the gaps
+    assert gathered[0] == 4 * prompt_tokens
+    alone = asyncio.run(burst((0.0, 0.0), 0.05))  # no gathering: the first steps alone
+    assert alone[0] == prompt_tokens
