@@ -11,7 +11,8 @@ or missing KV shows up as different output.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -202,6 +203,28 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, d
                 r["final"] = out
         engine.check_integrity()
     raise AssertionError("engine did not drain")
+
+
+@contextmanager
+def llama_engine(
+    path: str, prefix_cache: bool = True, ctx: int = 2048, parallel: int = 4, batch: int = 64
+) -> Iterator[LLMEngine]:
+    """An engine on a real (tiny) GGUF with llama.cpp, closed afterwards."""
+    from ferrum.config import EngineConfig
+    from ferrum.engine.runner import LlamaRunner
+
+    cfg = EngineConfig(
+        ctx_size=ctx,
+        parallel=parallel,
+        batch_size=batch,
+        threads=2,
+        no_prefix_cache=not prefix_cache,
+    )
+    runner = LlamaRunner(cfg, path)
+    try:
+        yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache)
+    finally:
+        runner.close()
 
 
 def fake_app(runner: FakeRunner | None = None, **state: object):

@@ -20,6 +20,7 @@ gibberish; only its mechanics are meaningful.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from functools import lru_cache
 from itertools import pairwise
 
@@ -226,6 +227,17 @@ def _new_writer(path: pathlib.Path, arch: str) -> gguf.GGUFWriter:
     return writer
 
 
+def _write_weights(
+    writer: gguf.GGUFWriter, layer: Callable[[np.random.Generator, int], dict[str, np.ndarray]]
+) -> None:
+    """Seeded random weights: the shared tensors, then `layer(rng, i)` for every layer."""
+    rng = np.random.default_rng(SEED)
+    tensors = _common_tensors(rng)
+    for i in range(N_LAYER):
+        tensors |= layer(rng, i)
+    _save(writer, tensors)
+
+
 def _save(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
     for name, data in tensors.items():
         writer.add_tensor(name, data)
@@ -248,11 +260,7 @@ def write_tiny_llama(path: pathlib.Path) -> pathlib.Path:
     writer.add_rope_freq_base(10000.0)
     _add_tokenizer(writer, CHATML_TEMPLATE)
 
-    rng = np.random.default_rng(SEED)
-    tensors = _common_tensors(rng)
-    for i in range(N_LAYER):
-        tensors |= _llama_layer(rng, i, n_head_kv, n_ff, head_dim)
-    _save(writer, tensors)
+    _write_weights(writer, lambda rng, i: _llama_layer(rng, i, n_head_kv, n_ff, head_dim))
     return path
 
 
@@ -269,11 +277,7 @@ def write_tiny_mamba(path: pathlib.Path) -> pathlib.Path:
     writer.add_ssm_dt_b_c_rms(False)
     _add_tokenizer(writer, chat_template=None)
 
-    rng = np.random.default_rng(SEED)
-    tensors = _common_tensors(rng)
-    for i in range(N_LAYER):
-        tensors |= _mamba_layer(rng, i, d_inner, d_state, d_conv, dt_rank)
-    _save(writer, tensors)
+    _write_weights(writer, lambda rng, i: _mamba_layer(rng, i, d_inner, d_state, d_conv, dt_rank))
     return path
 
 
@@ -293,9 +297,5 @@ def write_tiny_gemma3(path: pathlib.Path, sliding_window: int = 8) -> pathlib.Pa
     writer.add_uint32("gemma3.attention.sliding_window_pattern", 2)
     _add_tokenizer(writer, CHATML_TEMPLATE)
 
-    rng = np.random.default_rng(SEED)
-    tensors = _common_tensors(rng)
-    for i in range(N_LAYER):
-        tensors |= _gemma3_layer(rng, i, n_head, n_head_kv, n_ff, head_dim)
-    _save(writer, tensors)
+    _write_weights(writer, lambda rng, i: _gemma3_layer(rng, i, n_head, n_head_kv, n_ff, head_dim))
     return path

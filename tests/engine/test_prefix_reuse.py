@@ -3,26 +3,14 @@ own state continued): every reused output equals a fresh prefill's."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
-from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
-from tests.factories import run_to_completion, sampling
+from tests.factories import llama_engine, run_to_completion, sampling
 
 SYSTEM = "there is a time for every thing under the sun and the moon, " * 6
 
 
-@contextmanager
 def engine_for(path: str, prefix_cache: bool):
-    cfg = EngineConfig(
-        ctx_size=2048, parallel=4, batch_size=64, threads=2, no_prefix_cache=not prefix_cache
-    )
-    runner = LlamaRunner(cfg, path)
-    try:
-        yield LLMEngine(runner, block_size=16, max_running=4, prefix_cache=prefix_cache)
-    finally:
-        runner.close()
+    return llama_engine(path, prefix_cache)
 
 
 def _run(engine: LLMEngine, prompts: dict[str, str], max_tokens: int = 10) -> dict[str, dict]:

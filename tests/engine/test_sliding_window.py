@@ -10,28 +10,17 @@ B = S + another question then shares S with A, whose window around the end of S 
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 
 import llama_cpp as ll
 
-from ferrum.config import EngineConfig
 from ferrum.engine.batch import BatchItem
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
-from tests.factories import run_to_completion, sampling
+from tests.factories import llama_engine, run_to_completion, sampling
 from tests.tiny_models import BOS_ID
 
 
-@contextmanager
 def _engine(path: str, prefix_cache: bool = True):
-    cfg = EngineConfig(
-        ctx_size=256, parallel=2, batch_size=32, threads=2, no_prefix_cache=not prefix_cache
-    )
-    runner = LlamaRunner(cfg, path)
-    try:
-        yield LLMEngine(runner, block_size=16, max_running=2, prefix_cache=prefix_cache)
-    finally:
-        runner.close()
+    return llama_engine(path, prefix_cache, ctx=256, parallel=2, batch=32)
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], n: int) -> dict:
