@@ -97,7 +97,11 @@ class LlamaRunner:
         # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse; a model
         # with a sliding window gets one more, the probe that `holds_window` copies into.
         n_seq = config.parallel * (1 if config.no_prefix_cache else 2)
-        windowed = ll.llama_model_n_swa(self._model) > 0 and not config.no_prefix_cache
+        # Recurrent and hybrid models never copy a prefix (only takeover), so need no probe.
+        copies = not (
+            ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model)
+        )
+        windowed = ll.llama_model_n_swa(self._model) > 0 and copies and not config.no_prefix_cache
         cparams.n_seq_max = n_seq + (1 if windowed else 0)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
