@@ -126,6 +126,7 @@ class FakeRunner:
 
     def clear_sequence(self, seq_id: int) -> None:
         self.kv.pop(seq_id, None)
+        self.lost_windows.discard(seq_id)
         self.cleared.append(seq_id)
 
     def copy_sequence(self, src: int, dst: int, length: int) -> None:

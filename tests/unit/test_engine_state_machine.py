@@ -4,8 +4,9 @@ Hypothesis drives `LLMEngine` through `AsyncEngine`, the way the server does, wi
 thread replaced by explicit pumps so every interleaving is reproducible. Rules: submit (prompts
 that repeat, share prefixes with or extend earlier ones; n choices as forks), abort a waiting
 request, hang up on a stream that already got tokens, fail the next decode of a running
-sequence, pump. After every rule the KV ledger is whole and no request has output after its
-finish; at the end every request has ended and only parked sequences hold KV.
+sequence, lose a parked sequence's sliding window, pump. After every rule the KV ledger is
+whole and no request has output after its finish; at the end every request has ended and only
+parked sequences hold KV.
 
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
@@ -180,6 +181,14 @@ class EngineMachine(RuleBasedStateMachine):
     def fail_next_decode(self, data: st.DataObject) -> None:
         running = sorted(r.seq_id for r in self.engine.scheduler.running)
         self.runner.fail_seqs.add(data.draw(st.sampled_from(running), label="seq"))
+
+    @precondition(lambda self: self.engine.kv_manager.parked and hasattr(self.runner, "fail_seqs"))
+    @rule(data=st.data())
+    def lose_a_window(self, data: st.DataObject) -> None:
+        """A parked sequence's sliding window loses cells (as llama.cpp recycles them): copies
+        from it must go to another owner or a fresh prefill, with the books still whole."""
+        parked = sorted(p.seq_id for p in self.engine.kv_manager.parked)
+        self.runner.lost_windows.add(data.draw(st.sampled_from(parked), label="seq"))
 
     @rule(times=st.integers(1, 12))
     def pump(self, times: int) -> None:
