@@ -72,10 +72,7 @@ class FakeSampler:
 
 class FakeVocab:
     """Bytes are tokens 0-255; BOS and EOS above them. Grammars are not enforced; the fake
-    only refuses an empty one, and counts how often each grammar was parsed."""
-
-    def __init__(self) -> None:
-        self.parsed: dict[str, int] = {}
+    only refuses an empty one."""
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -89,7 +86,6 @@ class FakeVocab:
     def check_grammar(self, grammar: str) -> None:
         if not grammar.strip():
             raise ValueError("empty grammar")
-        self.parsed[grammar] = self.parsed.get(grammar, 0) + 1
 
     @staticmethod
     def json_schema_grammar(schema: dict[str, Any]) -> str:

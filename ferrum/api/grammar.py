@@ -121,9 +121,11 @@ class GrammarBuilder:
             grammar = self._built.get(key)
             if grammar is not None:
                 self._built.move_to_end(key)
-                return grammar
         try:
-            grammar = build()
+            if grammar is None:
+                grammar = build()
+            # Also for a kept grammar: the vocabulary keeps fewer parsed ones, and one it let go
+            # is parsed again here, in the worker thread, not on the engine thread.
             self._vocab.check_grammar(grammar)
         except (ValueError, RecursionError) as exc:
             raise InvalidRequest(f"{param}: {exc}", param=param) from exc

@@ -165,8 +165,8 @@ class LLMEngine:
         params = req.params
         if token in params.stop_token_ids:
             return True
-        ends = self.runner.vocab.is_eog(token)
-        return ends and (not params.ignore_eos or params.grammar is not None)
+        may_end = not params.ignore_eos or params.grammar is not None
+        return may_end and self.runner.vocab.is_eog(token)
 
     def _on_token(
         self,
