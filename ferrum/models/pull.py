@@ -1,0 +1,403 @@
+"""Pulls models from the Hugging Face Hub into the store, and adopts local GGUF files.
+
+A pull (`pull`), step by step:
+1. Asks the hub for the repository (`HfApi.model_info` with file sizes): its canonical id,
+   commit and files; picks the model (`reference.choose`). The store name is
+   "org/repo:QUANT", the source "hf:org/repo@<commit>".
+2. Takes the name's store lock, so a second pull of the same model (another thread or
+   process) waits for this one and then finds it done.
+3. Returns at once when the store already has that model from the same commit.
+4. Downloads each file over plain HTTP (HEAD for its metadata, GET with `http_get`) into
+   `partial/<slug>/<file>.<etag>.part`. huggingface_hub's own `hf_hub_download` deletes an
+   interrupted download (it writes to a per-process temporary file), so the part files are
+   ours: a pull after an interrupted one asks for the missing bytes only (HTTP Range). A part
+   whose etag changed on the hub is discarded.
+5. Checks each file: its sha256 against the hub's (when the hub states one) and its header
+   with `read_gguf` (a split model's shards must agree on their number and order).
+6. Moves the files into `files/<slug>/`, then writes the manifest (`ModelStore.add`).
+
+Failures: a hub that cannot be reached or a transfer cut short is a `PullError` and keeps the
+part files for the next pull; a file that is not a whole GGUF (`InvalidModelFile`) or a full
+disk (`InsufficientStorage`) deletes them. Either way no manifest is written.
+
+The endpoint is $HF_ENDPOINT, read at each pull; the token is `token`, else what
+huggingface_hub finds itself ($HF_TOKEN, then the saved login).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import glob
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import httpx2
+from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import http_get
+
+# Public, but exported lazily, which mypy cannot see.
+from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
+
+from ferrum.errors import NotFound
+from ferrum.models.errors import (
+    HubAccessDenied,
+    InsufficientStorage,
+    InvalidModelFile,
+    NotOnHub,
+    PullError,
+)
+from ferrum.models.gguf_file import GGUFFacts, read_gguf
+from ferrum.models.reference import (
+    GGUFModel,
+    Reference,
+    choose,
+    gguf_models,
+    model_stem,
+    parse_reference,
+    quant_of,
+    split_shards,
+)
+from ferrum.models.store import Manifest, ModelStore
+
+__all__ = ["PullProgress", "adopt", "parse_reference", "pull"]
+
+_HASH_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class PullProgress:
+    """One step of a pull, as Ollama's /api/pull streams them: "pulling manifest",
+    "using ...", "pulling FILE" (with byte counts, repeated), "verifying FILE",
+    "writing manifest", "success"."""
+
+    status: str
+    completed: int = 0  # bytes of `file` on disk
+    total: int = 0  # bytes of `file`; 0 when unknown
+    file: str = ""
+
+
+Progress = Callable[[PullProgress], None]
+
+
+def pull(
+    store: ModelStore,
+    ref: str,
+    *,
+    progress: Progress | None = None,
+    token: str | None = None,
+    name: str | None = None,
+) -> Manifest:
+    """Pulls `ref` (see `reference.parse_reference`) into the store; a local file is adopted
+    in place. `name` overrides the store name ("org/repo:QUANT")."""
+    reference = parse_reference(ref)
+    report = progress or (lambda p: None)
+    if reference.kind == "file":
+        return adopt(store, reference.path, name)
+    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+    report(PullProgress("pulling manifest"))
+    plan = _plan(reference, endpoint, token)
+    report(PullProgress(f"using {plan.repo}:{plan.model.quant} (available: {plan.available})"))
+    name = name or f"{plan.repo}:{plan.model.quant}"
+    with store.lock(name):
+        manifest = _current(store, name, plan.source)
+        if manifest is None:
+            manifest = _fetch(store, name, plan, endpoint, token, report)
+    report(PullProgress("success"))
+    return manifest
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a pull fetches: a repository's model at one commit."""
+
+    repo: str  # canonical "org/repo"
+    commit: str
+    model: GGUFModel
+    available: str  # the repository's quantizations, for the message
+    sha256: dict[str, str]  # the hub's hash of each LFS file
+
+    @property
+    def source(self) -> str:
+        return f"hf:{self.repo}@{self.commit}"
+
+
+def _plan(reference: Reference, endpoint: str | None, token: str | None) -> _Plan:
+    with _hub_errors(reference.repo, endpoint):
+        info = HfApi(endpoint=endpoint).model_info(
+            reference.repo, revision=reference.revision, files_metadata=True, token=token
+        )
+    repo, siblings = str(info.id), info.siblings or []
+    models = gguf_models({s.rfilename: s.size or 0 for s in siblings})
+    return _Plan(
+        repo=repo,
+        commit=str(info.sha),
+        model=_pick(repo, models, reference.quant, reference.filename),
+        available=", ".join(m.quant for m in models),
+        sha256={s.rfilename: s.lfs.sha256 for s in siblings if s.lfs is not None},
+    )
+
+
+def _fetch(
+    store: ModelStore,
+    name: str,
+    plan: _Plan,
+    endpoint: str | None,
+    token: str | None,
+    report: Progress,
+) -> Manifest:
+    """Downloads, checks and installs the plan's files (the caller holds the name's lock)."""
+    partial = store.partial_dir(name)
+    model = plan.model
+    try:
+        _check_space(store, partial, model)
+        fetch = functools.partial(
+            _download, plan.repo, plan.commit, endpoint, token, partial, report
+        )
+        with _hub_errors(plan.repo, endpoint):
+            parts = [fetch(f, plan.sha256.get(f)) for f in model.files]
+        facts = _check_model(parts, model.files)
+        return _install(store, name, plan.source, model, parts, facts, report)
+    except (InvalidModelFile, InsufficientStorage):
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise InsufficientStorage(f"disk full while pulling {name}") from exc
+        raise PullError(f"pulling {name} failed: {exc}") from exc
+
+
+def adopt(store: ModelStore, path: str | os.PathLike[str], name: str | None = None) -> Manifest:
+    """Adds a local GGUF under `name` (default: the file's stem), referenced in place: the
+    store never moves or deletes it. A split model's shard brings all its shards."""
+    given = Path(path).expanduser().absolute()
+    if not given.is_file():
+        raise NotFound(f"no such file: {given}", param="model", code="model_not_found")
+    shards = split_shards(given.name)
+    files = [given.parent / s for s in shards] if shards else [given]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise InvalidModelFile(f"split model {given.name} lacks shard(s): {', '.join(missing)}")
+    facts = _check_model(files, [f.name for f in files])
+    name = name or model_stem(given.name)
+    manifest = _manifest(name, f"file:{files[0]}", files, facts, quant_of(given.name))
+    with store.lock(name):
+        store.add(manifest)
+    return manifest
+
+
+def _pick(repo: str, models: list[GGUFModel], quant: str | None, file: str | None) -> GGUFModel:
+    if file is None:
+        return choose(repo, models, quant)
+    for model in models:
+        if file in model.files:
+            return model
+    raise NotOnHub(f"repository {repo!r} has no GGUF model file {file!r}", param="model")
+
+
+def _current(store: ModelStore, name: str, source: str) -> Manifest | None:
+    """The store's model `name` when it came from `source` and its files are all there."""
+    try:
+        manifest = store.get(name)
+    except NotFound:
+        return None
+    whole = all(os.path.isfile(f) for f in manifest.files)
+    return manifest if manifest.source == source and whole else None
+
+
+def _check_space(store: ModelStore, partial: Path, model: GGUFModel) -> None:
+    have = sum(p.stat().st_size for p in partial.glob("*.part")) if partial.is_dir() else 0
+    need = model.size - have
+    free = shutil.disk_usage(store.root).free
+    if model.size and need > free:
+        raise InsufficientStorage(
+            f"not enough disk space in {store.root}: the model needs {need} more bytes, "
+            f"{free} are free"
+        )
+
+
+def _download(
+    repo: str,
+    commit: str,
+    endpoint: str | None,
+    token: str | None,
+    partial: Path,
+    report: Progress,
+    file: str,
+    sha256: str | None,
+) -> Path:
+    """Downloads one file into its part file, resuming what an earlier pull left."""
+    url = hf_hub_url(repo, file, revision=commit, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    etag = (meta.etag or "noetag").replace("/", "_")
+    base = Path(file).name
+    partial.mkdir(parents=True, exist_ok=True)
+    part = partial / f"{base}.{etag}.part"
+    for stale in partial.glob(f"{glob.escape(base)}.*.part"):
+        if stale != part:  # the hub's file changed since: its bytes cannot be resumed
+            stale.unlink()
+    done = part.stat().st_size if part.exists() else 0
+    if meta.size is not None and done > meta.size:
+        part.unlink()
+        done = 0
+    headers = build_hf_headers(token=token)
+    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a signed CDN address: the token stays on the hub
+    on_bytes = functools.partial(_report_bytes, report, base)
+    part.touch()
+    with open(part, "r+b") as f:
+        f.seek(done)
+        http_get(
+            meta.location,
+            f,
+            resume_size=done,
+            headers=headers,
+            expected_size=meta.size,
+            displayed_filename=base,
+            tqdm_class=cast(Any, functools.partial(_Bar, on_bytes)),
+        )
+    size = part.stat().st_size
+    on_bytes(size, meta.size or size)
+    if sha256 is None and len(meta.etag or "") == 64:
+        sha256 = meta.etag  # an LFS file's etag is its sha256
+    if sha256 is not None:
+        report(PullProgress(f"verifying {base}", size, size, base))
+        if _sha256(part) != sha256.lower():
+            part.unlink()
+            raise InvalidModelFile(f"{repo}/{file}: sha256 differs from the hub's")
+    return part
+
+
+def _report_bytes(report: Progress, base: str, completed: int, total: int) -> None:
+    report(PullProgress(f"pulling {base}", completed, total, base))
+
+
+class _Bar:
+    """Stands in for huggingface_hub's tqdm bar in `http_get`: forwards byte counts."""
+
+    def __init__(self, on_bytes: Callable[[int, int], None], **kwargs: Any):
+        self.on_bytes = on_bytes
+        self.n = int(kwargs.get("initial") or 0)
+        self.total = int(kwargs.get("total") or 0)
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: float | None = 1) -> None:
+        self.n += int(n or 0)
+        self.on_bytes(self.n, self.total)
+
+
+def _check_model(files: Sequence[Path], names: Sequence[str]) -> list[GGUFFacts]:
+    """The facts of each file; `InvalidModelFile` unless they make one whole model."""
+    facts = []
+    for i, (path, name) in enumerate(zip(files, names, strict=True)):
+        try:
+            fact = read_gguf(path)
+        except InvalidModelFile as exc:
+            raise InvalidModelFile(f"{name}: {exc.message.removeprefix(f'{path}: ')}") from exc
+        if fact.split_count != len(files) or fact.split_no != i:
+            raise InvalidModelFile(
+                f"{name}: shard {fact.split_no + 1} of {fact.split_count}, expected "
+                f"{i + 1} of {len(files)}"
+            )
+        facts.append(fact)
+    return facts
+
+
+def _install(
+    store: ModelStore,
+    name: str,
+    source: str,
+    model: GGUFModel,
+    parts: list[Path],
+    facts: list[GGUFFacts],
+    report: Progress,
+) -> Manifest:
+    """Moves the checked files into the store, then writes their manifest."""
+    report(PullProgress("writing manifest"))
+    target = store.files_dir(name)
+    target.mkdir(parents=True, exist_ok=True)
+    files = [target / Path(f).name for f in model.files]
+    for part, dest in zip(parts, files, strict=True):
+        os.replace(part, dest)
+    quant = model.quant if quant_of(files[0].name) else None  # else model.quant is the stem
+    manifest = _manifest(name, source, files, facts, quant)
+    store.add(manifest)
+    shutil.rmtree(store.partial_dir(name), ignore_errors=True)
+    return manifest
+
+
+def _manifest(
+    name: str, source: str, files: list[Path], facts: list[GGUFFacts], quant: str | None
+) -> Manifest:
+    first = facts[0]
+    return Manifest(
+        name=name,
+        source=source,
+        files=tuple(str(f) for f in files),
+        size=sum(f.stat().st_size for f in files),
+        sha256=_sha256(files[0]),
+        architecture=first.architecture,
+        context_length=first.context_length,
+        has_chat_template=first.has_chat_template,
+        quant=quant or first.quant,
+        added=time.time(),
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _hub_errors(repo: str, endpoint: str | None) -> Iterator[None]:
+    """Turns huggingface_hub's errors into ferrum's, each with a one-line message."""
+    hub = endpoint or "https://huggingface.co"
+    try:
+        yield
+    except GatedRepoError as exc:
+        raise HubAccessDenied(
+            f"{repo} is gated: accept its terms on the hub, then set HF_TOKEN to a token "
+            "of an account that has access"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise NotOnHub(
+            f"repository {repo!r} not found on {hub} (a private one needs HF_TOKEN)",
+            param="model",
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise NotOnHub(f"repository {repo!r} has no such revision", param="model") from exc
+    except EntryNotFoundError as exc:
+        raise NotOnHub(f"a file of {repo!r} vanished from the hub", param="model") from exc
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else 0
+        if status in (401, 403):
+            raise HubAccessDenied(f"{hub} refused access to {repo} ({status})") from exc
+        raise PullError(f"{hub} answered {status} for {repo}; try again later") from exc
+    except (httpx2.HTTPError, OfflineModeIsEnabled) as exc:
+        raise PullError(f"cannot reach {hub}: {type(exc).__name__}: {exc}") from exc
