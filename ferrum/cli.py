@@ -1,4 +1,5 @@
 """`ferrum serve`: flags derived from the config dataclasses, each also `FERRUM_<NAME>`;
+`ferrum pull|list|show|rm|cp|ps`: the model store (`ferrum.models.commands`);
 `ferrum bench`: the benchmark harness (flags and run in `ferrum.bench.command`)."""
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 import uvicorn
 
 from ferrum.bench.command import add_parser as add_bench_parser
-from ferrum.config import EngineConfig, ServerConfig
-from ferrum.errors import FerrumError
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+from ferrum.errors import FerrumError, ModelLoadError
+from ferrum.models import commands as model_commands
 
 log = logging.getLogger("ferrum")
 
@@ -91,13 +93,17 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferrum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a GGUF model over an OpenAI-compatible API")
+    _add_fields(serve, ModelsConfig)
     _add_fields(serve, EngineConfig)
     _add_fields(serve, ServerConfig)
+    model_commands.add_parsers(sub)
     add_bench_parser(sub)
     return parser
 
 
-def _check(engine: EngineConfig) -> None:
+def _check(engine: EngineConfig, models: ModelsConfig) -> None:
+    if models.max_models < 0:
+        raise ValueError("--max-models must be 0 (no limit) or more")
     for name in ("ctx_size", "parallel", "batch_size", "block_size"):
         if getattr(engine, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -107,12 +113,10 @@ def _check(engine: EngineConfig) -> None:
         raise ValueError("--inject-faults must be between 0 and 1")
 
 
-def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
-    from ferrum.models import default_model_path
+def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig) -> None:
     from ferrum.server import build_server
 
-    model_path = engine_cfg.model or default_model_path()
-    app, summary = build_server(engine_cfg, server_cfg, model_path)
+    app, summary = build_server(engine_cfg, server_cfg, models_cfg)
     log.info("%s", summary)
     config = uvicorn.Config(
         app,
@@ -122,7 +126,10 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
         access_log=server_cfg.log_level == "debug",
         timeout_graceful_shutdown=math.ceil(server_cfg.shutdown_grace),
     )
-    _GracefulServer(config).run()
+    server = _GracefulServer(config)
+    server.run()
+    if not server.started:  # the default model failed to load (logged): nothing was served
+        raise ModelLoadError("the server did not start; see the log above")
 
 
 class _GracefulServer(uvicorn.Server):
@@ -152,14 +159,17 @@ def main(argv: list[str] | None = None) -> None:
         from ferrum.bench.command import run as run_bench
 
         sys.exit(run_bench(args))
+    if args.command != "serve":
+        sys.exit(model_commands.run(args))
     engine_cfg = _build(EngineConfig, args)
     server_cfg = _build(ServerConfig, args)
+    models_cfg = _build(ModelsConfig, args)
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        _check(engine_cfg)
-        serve(engine_cfg, server_cfg)
+        _check(engine_cfg, models_cfg)
+        serve(engine_cfg, server_cfg, models_cfg)
     except (FerrumError, ValueError, OSError) as exc:
         print(f"ferrum: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -37,12 +37,9 @@ def _flag(*names: str, help: str, **kw: object) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine needs: model, memory and parallelism."""
+    """What each model's engine needs: memory and parallelism (a preset may override
+    ctx_size, parallel and batch_size per model)."""
 
-    model: str = field(
-        default="",
-        metadata=_flag("--model", "-m", help="GGUF model path (default: Gemma 3 270M Q4_K_M)"),
-    )
     ctx_size: int = field(
         default=8192,
         metadata=_flag("--ctx-size", "-c", help="total KV cells shared by all sequences"),
@@ -96,15 +93,12 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata=_flag("--host", help="address to bind"))
     port: int = field(default=8080, metadata=_flag("--port", help="port to bind"))
-    alias: str = field(
-        default="", metadata=_flag("--alias", help="model id in responses (default: file stem)")
-    )
     chat_template: str = field(
         default="",
         metadata=_flag(
             "--chat-template",
-            help="built-in template name (gemma, chatml, llama3) or a Jinja file; "
-            "default: the model's own, else its family's",
+            help="built-in template name (gemma, chatml, llama3) or a Jinja file, for every "
+            "model without a preset's; default: each model's own, else its family's",
         ),
     )
     api_key: tuple[str, ...] = field(
@@ -138,4 +132,48 @@ class ServerConfig:
     )
     log_level: str = field(
         default="info", metadata=_flag("--log-level", help="debug, info, warning or error")
+    )
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Which models a server serves and how long it keeps them loaded."""
+
+    model: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "--model",
+            "-m",
+            help="serve only these: a GGUF path, a built-in or store model name, or NAME=REF "
+            "(repeat); default: every built-in and store model, smollm2-135m-instruct first",
+        ),
+    )
+    models_dir: str = field(
+        default="",
+        metadata=_flag(
+            "--models-dir", help="the model store (default: ~/.cache/ferrum/models)"
+        ),
+    )
+    presets: str = field(
+        default="",
+        metadata=_flag("--presets", help="TOML file of per-model settings (see docs/models.md)"),
+    )
+    keep_alive: str = field(
+        default="5m",
+        metadata=_flag(
+            "--keep-alive",
+            help="how long an idle model stays loaded (300, 5m, 1h; 0: unload at once; "
+            "-1: forever)",
+        ),
+    )
+    max_models: int = field(
+        default=0, metadata=_flag("--max-models", help="most models loaded at once (0: no limit)")
+    )
+    memory_budget: str = field(
+        default="",
+        metadata=_flag(
+            "--memory-budget",
+            help="most memory the loaded models may take, weights + KV (e.g. 8GiB; "
+            "default: no limit; 'auto': free GPU memory on a CUDA build, else free RAM)",
+        ),
     )

@@ -1,58 +1,128 @@
-"""The composition root: builds runner, engine, metrics and app from the configs."""
+"""The composition root: builds the registry of models, their engines, metrics and the app
+from the configs. Only here do llama.cpp's runner and the API meet."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
+import dataclasses
+import logging
 
 from fastapi import FastAPI
 
 from ferrum.api.app import ServerState, create_app
 from ferrum.api.chat_template import ChatFormatter, resolve_template
-from ferrum.config import EngineConfig, ServerConfig
+from ferrum.api.serving import ServedModel
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
-from ferrum.metrics import Metrics
+from ferrum.metrics import ServerMetrics
+from ferrum.models.catalog import serve_specs
+from ferrum.models.memory import estimate_bytes, memory_budget
+from ferrum.models.presets import load_presets
+from ferrum.models.registry import ModelSpec, Registry
+from ferrum.models.store import ModelStore, default_models_dir
+from ferrum.models.units import parse_duration
+
+log = logging.getLogger("ferrum")
+
+
+class _Loader:
+    """Builds a served model from its spec (runner, engine, template) and tears it down."""
+
+    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig, metrics: ServerMetrics):
+        self.engine_cfg, self.server_cfg, self.metrics = engine_cfg, server_cfg, metrics
+
+    def engine_config(self, spec: ModelSpec) -> EngineConfig:
+        engine = spec.preset.engine
+        return dataclasses.replace(
+            self.engine_cfg,
+            ctx_size=engine.get("ctx_size", self.engine_cfg.ctx_size),
+            parallel=engine.get("parallel", self.engine_cfg.parallel),
+            batch_size=engine.get("batch_size", self.engine_cfg.batch_size),
+        )
+
+    async def load(self, spec: ModelSpec) -> ServedModel:
+        model = await asyncio.to_thread(self._build, spec)
+        model.engine.start()
+        return model
+
+    def _build(self, spec: ModelSpec) -> ServedModel:
+        cfg = self.engine_config(spec)
+        runner = LlamaRunner(cfg, spec.locate())
+        info = runner.info
+        try:
+            template = spec.preset.chat_template or self.server_cfg.chat_template
+            template = resolve_template(template, info.chat_template, info.architecture)
+            formatter = ChatFormatter(template, info.bos_text, info.eos_text, info.add_bos)
+        except Exception:
+            runner.close()
+            raise
+        metrics = self.metrics.for_model(spec.name)
+        engine = LLMEngine(
+            runner,
+            block_size=cfg.block_size,
+            observer=metrics,
+            max_running=cfg.parallel,
+            prefix_cache=not cfg.no_prefix_cache,
+        )
+        sampling = dict(spec.preset.sampling)
+        max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))
+        return ServedModel(
+            name=spec.name,
+            engine=AsyncEngine(engine, max_queue=self.server_cfg.max_queue),
+            vocab=runner.vocab,
+            info=info,
+            formatter=formatter,
+            metrics=metrics,
+            default_max_tokens=max_tokens,
+            sampling=sampling,
+            system=spec.preset.system,
+            close_runner=runner.close,
+        )
+
+    async def unload(self, model: ServedModel) -> None:
+        await model.engine.stop()
+        # The engine thread has ended and the lease rule kept every preparing request away:
+        # nothing uses the runner or its vocabulary any more.
+        await asyncio.to_thread(model.close_runner)
+
+    def estimate(self, spec: ModelSpec) -> int:
+        cfg = self.engine_config(spec)
+        return estimate_bytes(spec.locate(), cfg.ctx_size)
 
 
 def build_server(
-    engine_cfg: EngineConfig, server_cfg: ServerConfig, model_path: str
+    engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig
 ) -> tuple[FastAPI, str]:
-    """The app (not yet started) and a one-line description for the startup log."""
-    runner = LlamaRunner(engine_cfg, model_path)
-    info = runner.info
-    try:
-        template = resolve_template(server_cfg.chat_template, info.chat_template, info.architecture)
-        formatter = ChatFormatter(template, info.bos_text, info.eos_text, info.add_bos)
-    except Exception:
-        runner.close()
-        raise
-    metrics = Metrics()
-    engine = LLMEngine(
-        runner,
-        block_size=engine_cfg.block_size,
+    """The app (not yet started: models load on first use) and a startup line."""
+    store = ModelStore(models_cfg.models_dir or default_models_dir())
+    specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets))
+    metrics = ServerMetrics()
+    loader = _Loader(engine_cfg, server_cfg, metrics)
+    registry: Registry[ServedModel] = Registry(
+        specs,
+        loader.load,
+        loader.unload,
+        estimate=loader.estimate,
+        keep_alive=parse_duration(models_cfg.keep_alive),
+        max_models=models_cfg.max_models,
+        memory_budget=memory_budget(models_cfg.memory_budget, engine_cfg.gpu_layers > 0),
         observer=metrics,
-        max_running=engine_cfg.parallel,
-        prefix_cache=not engine_cfg.no_prefix_cache,
     )
-    alias = server_cfg.alias or Path(model_path).stem
     state = ServerState(
-        engine=AsyncEngine(engine, max_queue=server_cfg.max_queue),
-        vocab=runner.vocab,
-        info=info,
-        formatter=formatter,
+        models=registry,
         metrics=metrics,
-        alias=alias,
+        store=store,
         api_keys=server_cfg.api_key,
         public_metrics=server_cfg.public_metrics,
         request_timeout=server_cfg.request_timeout,
         split_think=not server_cfg.reasoning_inline,
-        default_max_tokens=engine_cfg.n_predict,
     )
-    kind = "hybrid" if info.is_hybrid else "recurrent" if info.is_recurrent else "attention"
+    names = ", ".join(s.name for s in specs)
     summary = (
-        f"ferrum serving {alias} ({info.architecture}, {info.description}, {kind}) "
-        f"ctx={info.n_ctx} parallel={engine_cfg.parallel} batch={info.n_batch} "
-        f"threads={info.threads} on http://{server_cfg.host}:{server_cfg.port}"
+        f"ferrum serving {len(specs)} model(s) ({names}; default {registry.default}) "
+        f"ctx={engine_cfg.ctx_size} parallel={engine_cfg.parallel} "
+        f"threads={engine_cfg.resolved_threads()} on http://{server_cfg.host}:{server_cfg.port}"
     )
     return create_app(state), summary

@@ -224,24 +224,56 @@ def llama_engine(
         runner.close()
 
 
-def fake_app(runner: FakeRunner | None = None, **state: object):
-    """The real FastAPI app over the fake runner (ChatML template, byte tokenizer)."""
-    from ferrum.api.app import create_app
+def fake_served(name: str, runner: FakeRunner, metrics, max_queue: int = 64, **fields):
+    """One fake model as the API serves it (ChatML template, byte tokenizer)."""
     from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
-    from ferrum.api.serving import ServerState
+    from ferrum.api.serving import ServedModel
     from ferrum.engine.async_engine import AsyncEngine
-    from ferrum.metrics import Metrics
 
-    runner = runner or FakeRunner()
-    metrics = Metrics()
     engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)
-    fields = {
-        "engine": AsyncEngine(engine, max_queue=int(state.pop("max_queue", 64))),
-        "vocab": runner.vocab,
-        "info": runner.info,
-        "formatter": ChatFormatter(BUILTIN_TEMPLATES["chatml"], "", "", True),
-        "metrics": metrics,
-        "alias": "fake",
-        **state,
-    }
-    return create_app(ServerState(**fields))  # type: ignore[arg-type]
+    return ServedModel(
+        name=name,
+        engine=AsyncEngine(engine, max_queue=max_queue),
+        vocab=runner.vocab,
+        info=runner.info,
+        formatter=ChatFormatter(BUILTIN_TEMPLATES["chatml"], "", "", True),
+        metrics=metrics,
+        **fields,
+    )
+
+
+def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **registry_kw):
+    """A registry over fake models: `runners` maps each name to a FakeRunner factory."""
+    from ferrum.models.registry import ModelSpec, Registry
+
+    async def load(spec):
+        served = fake_served(spec.name, runners[spec.name](), metrics.for_model(spec.name),
+                             max_queue, sampling=dict(spec.preset.sampling),
+                             system=spec.preset.system)
+        served.engine.start()
+        return served
+
+    async def unload(served):
+        await served.engine.stop()
+
+    specs = specs or [ModelSpec(n, lambda: "") for n in runners]
+    return Registry(specs, load, unload, observer=metrics, **registry_kw)
+
+
+def fake_app(runner: FakeRunner | None = None, *, models: dict | None = None, **state: object):
+    """The real FastAPI app over fake models: one named "fake" (the given runner) unless
+    `models` maps names to FakeRunner factories."""
+    from ferrum.api.app import create_app
+    from ferrum.api.serving import ServerState
+    from ferrum.metrics import ServerMetrics
+
+    the_runner = runner or FakeRunner()
+    metrics = ServerMetrics()
+    registry_kw = state.pop("registry", {})
+    registry = fake_registry(
+        models or {"fake": lambda: the_runner},
+        metrics,
+        max_queue=int(state.pop("max_queue", 64)),  # type: ignore[call-overload]
+        **registry_kw,  # type: ignore[arg-type]
+    )
+    return create_app(ServerState(models=registry, metrics=metrics, **state))  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ferrum.api.ollama import add_ollama_routes
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,9 +30,9 @@ from ferrum.api.protocol import (
 )
 from ferrum.api.serving import (
     ServerState,
+    acquire,
     check_token_ids,
     complete,
-    prepare,
     prepare_chat,
     prepare_completion,
 )
@@ -45,6 +46,8 @@ from ferrum.errors import (
     TooManyRequests,
 )
 from ferrum.metrics import CONTENT_TYPE
+from ferrum.models.errors import ModelNotFound
+from ferrum.models.registry import ModelSpec
 
 log = logging.getLogger("ferrum.api")
 
@@ -145,9 +148,13 @@ class _Gate:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        state.models.start()
+        # The default model loads now: the first request should not wait for it, and a
+        # model that cannot load stops the server at start-up, not at its first request.
+        lease = await state.models.acquire(state.models.default)
+        lease.release()
         yield
-        await state.engine.stop()
+        await state.models.close()
 
     app = FastAPI(title="ferrum", lifespan=lifespan)
     app.state.ferrum = state
@@ -178,28 +185,36 @@ def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        prepared = await prepare(prepare_chat, state, body)
-        return await complete(state, request, body, prepared)
+        lease = await acquire(state, body.model, body.keep_alive)
+        return await complete(state, request, body, prepare_chat, lease)
 
     @_route(app, "POST", "/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        prepared = await prepare(prepare_completion, state, body)
-        return await complete(state, request, body, prepared)
+        lease = await acquire(state, body.model, body.keep_alive)
+        return await complete(state, request, body, prepare_completion, lease)
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state, s) for s in state.models.specs()]}
 
     @_route(app, "GET", "/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.alias:
-            raise NotFound(f"model {model_id!r} is not served here (try {state.alias!r})")
-        return _model_card(state)
+        spec = state.models.lookup(model_id)
+        if spec is None:
+            raise ModelNotFound(model_id, [s.name for s in state.models.specs()])
+        return _model_card(state, spec)
 
     @_route(app, "GET", "/health")
     async def health() -> JSONResponse:
-        ok = state.engine.alive
-        body = {"status": "ok" if ok else "error", "model": state.alias, **state.metrics.snapshot()}
+        loaded = state.models.loaded()
+        ok = all(m.model.engine.alive for m in loaded)
+        per_model = {m.spec.name: state.metrics.snapshot(m.spec.name) for m in loaded}
+        body = {
+            "status": "ok" if ok else "error",
+            "model": state.models.default,
+            **_sum_snapshots(list(per_model.values())),
+            "models": per_model,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @_route(app, "GET", "/metrics")
@@ -208,31 +223,60 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @_route(app, "POST", "/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        vocab = state.vocab
-        tokens = await asyncio.to_thread(
-            vocab.tokenize, body.content, body.add_special, body.parse_special
-        )
+        lease = await acquire(state, body.model)
+        try:
+            tokens = await asyncio.to_thread(
+                lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
+            )
+        finally:
+            lease.release()
         return {"tokens": tokens}
 
     @_route(app, "POST", "/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        tokens = check_token_ids(state, body.tokens, "tokens")
-        data = b"".join(state.vocab.token_bytes(t) for t in tokens)
+        lease = await acquire(state, body.model)
+        try:
+            tokens = check_token_ids(lease.model, body.tokens, "tokens")
+            data = b"".join(lease.model.vocab.token_bytes(t) for t in tokens)
+        finally:
+            lease.release()
         return {"content": data.decode("utf-8", "replace")}
 
+    add_ollama_routes(app, state)
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    info = state.info
-    return {
-        "id": state.alias,
+
+def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several models' /health figures as one: counts add up, the KV use ratio is the
+    highest."""
+    total: dict[str, Any] = {}
+    for snap in snapshots:
+        for key, value in snap.items():
+            if isinstance(value, dict):
+                total[key] = _sum_snapshots([total.get(key, {}), value])
+            elif key.endswith("_ratio"):
+                total[key] = max(total.get(key, 0), value)
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": spec.name,
         "object": "model",
-        "created": state.created,
-        "owned_by": "ferrum",
-        "meta": {
-            "architecture": info.architecture,
-            "description": info.description,
-            "n_ctx": info.n_ctx,
-            "n_ctx_train": info.n_ctx_train,
-            "n_vocab": info.n_vocab,
-        },
+        "created": int(spec.created) or state.created,
+        "owned_by": spec.source.partition(":")[0] or "ferrum",
+        "loaded": False,
     }
+    for m in state.models.loaded():
+        if m.spec.name == spec.name:
+            info = m.model.info
+            card["loaded"] = True
+            card["meta"] = {
+                "architecture": info.architecture,
+                "description": info.description,
+                "n_ctx": info.n_ctx,
+                "n_ctx_train": info.n_ctx_train,
+                "n_vocab": info.n_vocab,
+            }
+    return card

@@ -173,6 +173,8 @@ class _SamplingBody(_Body):
     logit_bias: LogitBias | None = None
     ignore_eos: bool = False
     timeout: Annotated[float, Field(gt=0)] | None = None  # extension: seconds for this request
+    # Extension (Ollama's): how long the model stays loaded after this request.
+    keep_alive: str | float | None = None
     # Extensions (vLLM's names): tokens that end the output, and a floor on its length.
     stop_token_ids: StopTokenIds | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -296,10 +298,12 @@ class CompletionRequest(_SamplingBody):
 
 
 class TokenizeRequest(_Body):
+    model: str = ""
     content: str
     add_special: bool = False
     parse_special: bool = True
 
 
 class DetokenizeRequest(_Body):
+    model: str = ""
     tokens: list[Annotated[int, Field(ge=0)]]

@@ -1,7 +1,11 @@
-"""One completion request from HTTP to engine and back: n choices, deadline, disconnects.
+"""One completion request from HTTP to engine and back: its model, n choices, deadline,
+disconnects.
 
-Every way a request can end early frees its engine requests: a client that hangs up (stream
-or not) and a deadline that passes both abort them within one engine step.
+A request holds a lease on its model (`ferrum.models.registry`) from before its preparation
+until its answer is sent, so the model cannot unload under it. Every way a request can end
+early frees its engine requests and its lease: a client that hangs up (stream or not) and a
+deadline that passes both abort them within one engine step. Each API dialect (OpenAI here
+and in `app.py`, Ollama in `ollama.py`) translates into `prepare_*` and `submit`.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from ferrum.api.grammar import GrammarBuilder
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
 from ferrum.api.tool_request import ToolRequest
-from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import ModelInfo, Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
-from ferrum.metrics import Metrics
+from ferrum.metrics import Metrics, ServerMetrics
+from ferrum.models.registry import Lease, Registry
+from ferrum.models.store import ModelStore
+from ferrum.models.units import parse_duration
 
 T = TypeVar("T")
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
@@ -33,23 +40,37 @@ _DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
-class ServerState:
+class ServedModel:
+    """One loaded model as the API sees it: its engine and what prepares its requests."""
+
+    name: str
     engine: AsyncEngine
     vocab: Vocabulary  # read-only: safe in the worker threads that prepare requests
     info: ModelInfo
     formatter: ChatFormatter
     metrics: Metrics
-    alias: str
-    api_keys: tuple[str, ...] = ()
-    public_metrics: bool = False
-    split_think: bool = True
     default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
-    request_timeout: float = 0.0  # --request-timeout; 0: none
-    created: int = 0
+    sampling: dict[str, float | int] = dataclasses.field(default_factory=dict)  # preset's
+    system: str = ""  # the preset's system prompt, for chats that bring none
+    close_runner: Callable[[], None] = lambda: None  # after the engine has stopped
     grammars: GrammarBuilder = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.grammars = GrammarBuilder(self.vocab)
+
+
+@dataclass
+class ServerState:
+    """What every route shares: the registry of models and the server's settings."""
+
+    models: Registry[ServedModel]
+    metrics: ServerMetrics
+    store: ModelStore | None = None  # None: pulls and deletes through the API are refused
+    api_keys: tuple[str, ...] = ()
+    public_metrics: bool = False
+    split_think: bool = True
+    request_timeout: float = 0.0  # --request-timeout; 0: none
+    created: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,7 +82,7 @@ class Prepared:
     grammar: str | None = None
 
 
-def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
+def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     """The prompt (tools carried by the template), the response kind and the grammar, if any.
     Template rendering, tokenizing and grammar building take CPU time: call it in a worker
     thread (`prepare`), never on the event loop.
@@ -71,11 +92,13 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     body.reject_unsupported()
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt = state.formatter.tokenize(messages, state.vocab.tokenize, tools.template_tools())
-    fmt = state.formatter.tool_format
-    grammar = state.grammars.for_tools(tools, fmt)
+    if model.system and not any(m["role"] in ("system", "developer") for m in messages):
+        messages.insert(0, {"role": "system", "content": model.system})
+    prompt = model.formatter.tokenize(messages, model.vocab.tokenize, tools.template_tools())
+    fmt = model.formatter.tool_format
+    grammar = model.grammars.for_tools(tools, fmt)
     if grammar is None:
-        grammar = state.grammars.for_response_format(body.response_format)
+        grammar = model.grammars.for_response_format(body.response_format)
     elif body.response_format is not None and body.response_format.type != "text":
         raise InvalidRequest(
             "response_format cannot be combined with a tool_choice that forces a call",
@@ -83,58 +106,90 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
         )
     kind = CompletionKind(
         chat=True,
-        token_bytes=state.vocab.token_bytes,
+        token_bytes=model.vocab.token_bytes,
         tool_format=fmt if tools.active else None,
     )
     return Prepared(prompt, kind, grammar)
 
 
-def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
     """The prompt of a text completion: its text tokenized, or its token ids checked."""
     body.reject_unsupported()
     prompt_in = body.prompt_input()
     if isinstance(prompt_in, str):
-        prompt = state.vocab.tokenize(prompt_in, True, True)
+        prompt = model.vocab.tokenize(prompt_in, True, True)
     else:
-        prompt = check_token_ids(state, prompt_in, "prompt")
-    return Prepared(prompt, CompletionKind(chat=False, token_bytes=state.vocab.token_bytes))
+        prompt = check_token_ids(model, prompt_in, "prompt")
+    return Prepared(prompt, CompletionKind(chat=False, token_bytes=model.vocab.token_bytes))
 
 
-def check_token_ids(state: ServerState, tokens: list[int], param: str) -> list[int]:
-    n_vocab = state.info.n_vocab
+def check_token_ids(model: ServedModel, tokens: list[int], param: str) -> list[int]:
+    n_vocab = model.info.n_vocab
     if any(not 0 <= t < n_vocab for t in tokens):
         raise InvalidRequest(f"token ids must be in [0, {n_vocab})", param=param)
     return list(tokens)
 
 
 async def prepare(
-    prepare_fn: Callable[[ServerState, B], Prepared], state: ServerState, body: B
+    prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B
 ) -> Prepared:
     """Runs request preparation in a worker thread: a long prompt or a large schema must not
     stall the event loop, which every open stream is waiting on."""
-    return await asyncio.to_thread(prepare_fn, state, body)
+    return await asyncio.to_thread(prepare_fn, model, body)
 
 
-def _deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:
-    limits = [t for t in (state.request_timeout, body.timeout or 0.0) if t > 0]
-    return min(limits) if limits else None
+def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:
+    """A request's keep_alive as seconds (None: the model's or server's default)."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=param) from exc
 
 
-async def complete(
+async def acquire(
+    state: ServerState, name: str, keep_alive: str | float | None = None
+) -> Lease[ServedModel]:
+    """The named model, loaded if need be; the caller must release the lease (or hand it to
+    `complete`, which always does)."""
+    return await state.models.acquire(name, keep_alive_seconds(keep_alive))
+
+
+@dataclass
+class Submission:
+    """n engine requests for one prompt (they share its prefill), and how to abort them."""
+
+    request_id: str
+    streams: list[RequestStream]
+    ids: list[str]
+    engine: AsyncEngine
+
+    def abort_all(self) -> None:  # a no-op for requests already finished
+        for rid in self.ids:
+            self.engine.abort(rid)
+
+
+def with_defaults(model: ServedModel, body: B) -> B:
+    """The body with the model preset's sampling defaults in the fields it does not set."""
+    defaults = {k: v for k, v in model.sampling.items() if k not in body.model_fields_set}
+    return body.model_copy(update=defaults) if defaults else body
+
+
+def submit(
     state: ServerState,
-    http: Request,
+    model: ServedModel,
     body: ChatCompletionRequest | CompletionRequest,
     prepared: Prepared,
-) -> Any:
-    """Submits n engine requests for one prompt (they share its prefill) and answers."""
-    engine = state.engine
+) -> Submission:
+    engine = model.engine
     prompt, kind = prepared.prompt, prepared.kind
     engine.check_capacity(body.n)
     max_tokens = body.requested_max_tokens()
-    if max_tokens is None and state.default_max_tokens > 0:
-        max_tokens = state.default_max_tokens
+    if max_tokens is None and model.default_max_tokens > 0:
+        max_tokens = model.default_max_tokens
     max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
-    params = body.sampling_params(max_tokens, state.info.n_vocab, prepared.grammar)
+    params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
@@ -142,33 +197,80 @@ async def complete(
         engine.submit(rid, prompt, _choice_params(params, i), split_think)
         for i, rid in enumerate(ids)
     ]
+    return Submission(request_id, streams, ids, engine)
 
-    def abort_all() -> None:  # a no-op for requests already finished
-        for rid in ids:
-            engine.abort(rid)
 
-    deadline = _deadline(state, body)
+def deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:
+    limits = [t for t in (state.request_timeout, body.timeout or 0.0) if t > 0]
+    return min(limits) if limits else None
+
+
+class HeldStream(StreamingResponse):
+    """A streamed response that runs `on_close` however it ends: sent, cut by a hang-up or
+    never started. (A generator's `finally` runs only if the generator was started.)"""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def complete(
+    state: ServerState,
+    http: Request,
+    body: B,
+    prepare_fn: Callable[[ServedModel, B], Prepared],
+    lease: Lease[ServedModel],
+) -> Any:
+    """Prepares, submits and answers an OpenAI request on the leased model; releases the
+    lease when the answer is sent or the request fails, however that happens."""
+    try:
+        model = lease.model
+        body = with_defaults(model, body)
+        prepared = await prepare(prepare_fn, model, body)
+        sub = submit(state, model, body, prepared)
+    except BaseException:
+        lease.release()
+        raise
+    limit = deadline(state, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_sse(streams, kind, request_id, state.alias, include_usage)
-        return StreamingResponse(
-            _guard_stream(events, deadline, abort_all), media_type="text/event-stream"
+        events = stream_sse(sub.streams, prepared.kind, sub.request_id, lease.name, include_usage)
+
+        def close() -> None:
+            sub.abort_all()
+            lease.release()
+
+        return HeldStream(
+            guard_stream(events, limit, sub.abort_all), close, media_type="text/event-stream"
         )
     try:
-        return await _unless_gone(http, collect(streams, kind, request_id, state.alias), deadline)
+        whole = collect(sub.streams, prepared.kind, sub.request_id, lease.name)
+        return await unless_gone(http, whole, limit)
     finally:
-        abort_all()
+        sub.abort_all()
+        lease.release()
 
 
-async def _guard_stream(
-    events: AsyncIterator[str], deadline: float | None, abort_all: Any
+async def guard_stream(
+    events: AsyncIterator[str],
+    deadline: float | None,
+    abort_all: Callable[[], None],
+    on_timeout: Callable[[RequestTimeout], list[str]] | None = None,
 ) -> AsyncIterator[str]:
-    """The SSE stream, cut with an error event and [DONE] at the deadline; aborts on any exit.
+    """The stream, cut at the deadline with what `on_timeout` makes of the timeout error (by
+    default SSE's: an error event and [DONE]); aborts on any exit. Each dialect streams
+    through it with its own ending (Ollama's: an `{"error"}` line).
 
     The deadline covers only the waits for the engine, never a `yield`: while the generator is
     suspended there, Starlette is sending, and a timeout firing then would cancel the send and
-    end the stream with neither the error event nor [DONE]. Starlette cancels this generator
-    when the client disconnects, which lands in `finally`.
+    end the stream without its ending (the error event and [DONE]). Starlette cancels this
+    generator when the client disconnects, which lands in `finally`.
     """
     loop = asyncio.get_running_loop()
     end = None if deadline is None else loop.time() + deadline
@@ -182,15 +284,17 @@ async def _guard_stream(
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                yield error_event(RequestTimeout(f"the request took longer than {deadline:g} s"))
-                yield "data: [DONE]\n\n"
+                err = RequestTimeout(f"the request took longer than {deadline:g} s")
+                ending = on_timeout(err) if on_timeout else [error_event(err), "data: [DONE]\n\n"]
+                for line in ending:
+                    yield line
                 return
             yield event
     finally:
         abort_all()
 
 
-async def _unless_gone(http: Request, work: Awaitable[T], deadline: float | None) -> T:
+async def unless_gone(http: Request, work: Awaitable[T], deadline: float | None) -> T:
     """Awaits `work`, cancelling it if the client hangs up or the deadline passes."""
     task = asyncio.ensure_future(work)
     loop = asyncio.get_running_loop()

@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> Any:
     from ferrum.bench.arms import BUILD_HINT, llama_cpp_build_dir
     from ferrum.bench.harness import Plan
     from ferrum.config import physical_cores
-    from ferrum.models import default_model_path
+    from ferrum.models import BENCH_MODEL, builtin_path
 
     settings = QUICK if args.quick else FULL
     if args.rounds is not None:
@@ -148,7 +148,7 @@ def _plan(args: argparse.Namespace) -> Any:
     for w in workloads:
         if w not in WORKLOADS:
             raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    model = args.model or default_model_path()
+    model = args.model or builtin_path(BENCH_MODEL)
     if not os.path.isfile(model):
         raise ValueError(f"model file not found: {model}")
     notes: list[str] = []

@@ -42,7 +42,6 @@ def ferrum_decode_tps(
     from ferrum.engine.runner import LlamaRunner
 
     cfg = EngineConfig(
-        model=model,
         ctx_size=ctx,
         parallel=max(batches),
         threads=threads,
@@ -159,7 +158,7 @@ def _print_eog(model: str) -> None:
     from ferrum.config import EngineConfig
     from ferrum.engine.runner import LlamaRunner
 
-    runner = LlamaRunner(EngineConfig(model=model, ctx_size=256, parallel=1, threads=1), model)
+    runner = LlamaRunner(EngineConfig(ctx_size=256, parallel=1, threads=1), model)
     try:
         print(json.dumps([t for t in range(runner.info.n_vocab) if runner.vocab.is_eog(t)]))
     finally:

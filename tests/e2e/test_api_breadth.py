@@ -1,5 +1,5 @@
-"""The OpenAI API's wider fields end to end on the default model, through the `openai` SDK:
-logprobs, seeds, logit_bias, stop_token_ids, min_tokens, structured output and tools."""
+"""The OpenAI API's wider fields end to end on the built-in Gemma 3 270M, through the `openai`
+SDK: logprobs, seeds, logit_bias, stop_token_ids, min_tokens, structured output and tools."""
 
 from __future__ import annotations
 

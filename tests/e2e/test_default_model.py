@@ -1,4 +1,5 @@
-"""End to end over HTTP with the `openai` SDK against `ferrum serve` on the default model."""
+"""End to end over HTTP with the `openai` SDK against `ferrum serve` on the built-in Gemma 3
+270M served alone (so any model name answers with it)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_chat_stream_equals_non_stream(client):
         "temperature": 0,
     }
     whole = client.chat.completions.create(**kw)
-    assert whole.model == "gemma-3-270m-q4_k_m"
+    assert whole.model == "gemma3-270m"
     text, chunks = _stream_chat(client, stream_options={"include_usage": True}, **kw)
     assert text == whole.choices[0].message.content and text.strip()
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -172,7 +173,7 @@ def test_errors_are_openai_shaped(client, server):
 
 def test_models_health_metrics_tokenize(client, server):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["gemma-3-270m-q4_k_m"]
+    assert [m.id for m in models.data] == ["gemma3-270m"]
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok" and health["queue_depth"] == 0
     toks = httpx.post(f"{server}/tokenize", json={"content": "Hello world"}).json()["tokens"]

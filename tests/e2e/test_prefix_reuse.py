@@ -1,5 +1,5 @@
-"""Greedy output with prefix reuse == output with --no-prefix-cache, on the default model
-(Gemma 3 270M, sliding-window attention), requests sent one after another."""
+"""Greedy output with prefix reuse == output with --no-prefix-cache, on the built-in Gemma 3
+270M (sliding-window attention), requests sent one after another."""
 
 from __future__ import annotations
 

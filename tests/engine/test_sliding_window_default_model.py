@@ -1,4 +1,4 @@
-"""Issue 10's scenario on the default model (Gemma 3 270M: window 512 on 5 of 6 layers).
+"""Issue 10's scenario on the built-in Gemma 3 270M (window 512 on 5 of 6 layers).
 
 X parks; A = S + question decodes 300 tokens and parks (its window moves ~300 positions past
 the end of S); Y's admission evicts X and its prefill recycles A's old window cells; B = S +
@@ -28,9 +28,9 @@ N_SWA = 512
 
 @pytest.fixture(scope="module")
 def default_model() -> str:
-    from ferrum.models import default_model_path
+    from ferrum.models import BENCH_MODEL, builtin_path
 
-    return default_model_path()
+    return builtin_path(BENCH_MODEL)  # Gemma 3 270M: the built-in sliding-window model
 
 
 def _engine(path: str, prefix_cache: bool) -> LLMEngine:

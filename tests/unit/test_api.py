@@ -172,8 +172,8 @@ def test_health_and_metrics(client):
     assert h["kv_cache_usage_ratio"] > 0 and h["prefix_cache"]["misses"] == 1
     m = client.get("/metrics").text
     for name in (
-        'ferrum_requests_total{finish_reason="length"} 1.0',
-        "ferrum_tokens_generated_total 4.0",
+        'ferrum_requests_total{finish_reason="length",model="fake"} 1.0',
+        'ferrum_tokens_generated_total{model="fake"} 4.0',
         "ferrum_request_latency_seconds_bucket",
         "ferrum_kv_cache_usage_ratio",
         "ferrum_queue_depth",
@@ -186,7 +186,7 @@ def test_health_and_metrics(client):
         "ferrum_step_tokens_bucket",
         "ferrum_prefix_cache_saved_tokens_total",
         "ferrum_prefix_cache_evictions_total",
-        "ferrum_prefix_cache_parked_sequences 1.0",
+        'ferrum_prefix_cache_parked_sequences{model="fake"} 1.0',
         "ferrum_prefix_cache_blocks",
     ):
         assert name in m, name
@@ -202,7 +202,8 @@ def test_window_fallbacks_reach_health_and_metrics():
         again = c.post("/v1/chat/completions", json=body).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert c.get("/health").json()["prefix_cache"]["window_fallbacks"] == 1
-        assert "ferrum_prefix_cache_window_fallbacks_total 1.0" in c.get("/metrics").text
+        metrics = c.get("/metrics").text
+        assert 'ferrum_prefix_cache_window_fallbacks_total{model="fake"} 1.0' in metrics
 
 
 def test_engine_fault_mid_request_is_an_error_not_an_empty_200():
@@ -300,7 +301,7 @@ def test_metrics_can_be_public_while_the_api_needs_a_key():
 def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
     """The deadline passes while the client is still being sent an event: the stream must
     still close with the timeout error and [DONE], not be cut off mid-send."""
-    from ferrum.api.serving import _guard_stream
+    from ferrum.api.serving import guard_stream
 
     aborted = []
 
@@ -311,7 +312,7 @@ def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
 
     async def slow_client() -> list[str]:
         got = []
-        async for event in _guard_stream(engine_events(), 0.2, lambda: aborted.append(1)):
+        async for event in guard_stream(engine_events(), 0.2, lambda: aborted.append(1)):
             got.append(event)
             await asyncio.sleep(0.15)  # sending over a slow connection
         return got
@@ -325,7 +326,7 @@ def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
 def test_a_client_gone_from_a_whole_response_is_a_typed_error_not_a_cancellation():
     """A non-streamed request whose client hangs up ends through the error path (one log
     line), not a CancelledError that Starlette logs as a crash with a traceback."""
-    from ferrum.api.serving import _unless_gone
+    from ferrum.api.serving import unless_gone
     from ferrum.errors import ClientGone
 
     class _Gone:
@@ -336,4 +337,4 @@ def test_a_client_gone_from_a_whole_response_is_a_typed_error_not_a_cancellation
         await asyncio.sleep(60)
 
     with pytest.raises(ClientGone):
-        asyncio.run(_unless_gone(_Gone(), forever(), None))  # type: ignore[arg-type]
+        asyncio.run(unless_gone(_Gone(), forever(), None))  # type: ignore[arg-type]

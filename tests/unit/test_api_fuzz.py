@@ -68,10 +68,16 @@ def _wait_idle(client, state) -> dict:
     deadline = time.monotonic() + 10
     while True:
         health = client.get("/health", timeout=RESPONSE_TIMEOUT_S).json()
-        idle = not state.engine._streams and not state.engine.core.has_work
+        engine = _engine(state)
+        idle = not engine._streams and not engine.core.has_work
         if (idle and health["active_requests"] == 0) or time.monotonic() > deadline:
             return health
         time.sleep(0.05)
+
+
+def _engine(state):
+    (served,) = state.models.loaded()
+    return served.model.engine
 
 
 @pytest.fixture
@@ -97,10 +103,11 @@ def test_the_api_survives_fuzzing_of_its_own_schema(app, capsys):
     state = app.state.ferrum
     with asgi.get_client(app) as client:
         health = _wait_idle(client, state)
-    assert health["status"] == "ok" and state.engine.alive
+    assert health["status"] == "ok" and _engine(state).alive
     assert health["active_requests"] == 0 and health["queue_depth"] == 0
-    assert not state.engine._streams, "requests still held after the fuzzing"
-    engine = state.engine.core
+    assert not _engine(state)._streams, "requests still held after the fuzzing"
+    assert state.models.loaded()[0].in_flight == 0, "a request still holds its model"
+    engine = _engine(state).core
     engine.check_integrity()  # safe here: the engine thread is idle, waiting for commands
     held = engine.kv_manager.blocks.num_blocks - engine.kv_manager.blocks.num_free
     assert held == engine.kv_manager.parked.num_blocks, "KV blocks held outside parked prefixes"

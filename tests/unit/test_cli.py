@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from ferrum.cli import _build, main, make_parser
-from ferrum.config import EngineConfig, ServerConfig
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 
 
 def _configs(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
@@ -15,18 +15,25 @@ def _configs(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     return _build(EngineConfig, args), _build(ServerConfig, args)
 
 
+def _models(argv: list[str]) -> ModelsConfig:
+    return _build(ModelsConfig, make_parser().parse_args(["serve", *argv]))
+
+
 def test_defaults_are_the_dataclass_defaults():
     assert _configs([]) == (EngineConfig(), ServerConfig())
+    assert _models([]) == ModelsConfig()
 
 
 def test_every_field_has_a_flag_of_its_type():
-    argv = ["--ctx-size", "1024", "--inject-faults", "0.5", "--alias", "m", "--no-prefix-cache"]
+    argv = ["--ctx-size", "1024", "--inject-faults", "0.5", "--no-prefix-cache"]
     argv += ["--api-key", "a,b", "--api-key", "c", "--shutdown-grace", "2.5"]
     engine, server = _configs(argv)
     assert (engine.ctx_size, engine.inject_faults, engine.no_prefix_cache) == (1024, 0.5, True)
-    assert (server.alias, server.api_key, server.shutdown_grace) == ("m", ("a", "b", "c"), 2.5)
+    assert (server.api_key, server.shutdown_grace) == (("a", "b", "c"), 2.5)
+    models = _models(["-m", "a=x.gguf", "--model", "smollm2-135m-instruct", "--max-models", "2"])
+    assert models.model == ("a=x.gguf", "smollm2-135m-instruct") and models.max_models == 2
     parsed = vars(make_parser().parse_args(["serve"]))
-    for cls in (EngineConfig, ServerConfig):
+    for cls in (EngineConfig, ServerConfig, ModelsConfig):
         assert {f.name for f in dataclasses.fields(cls)} <= parsed.keys()
 
 
@@ -65,3 +72,15 @@ def test_a_bad_flag_value_is_refused_by_the_parser(capsys):
         make_parser().parse_args(["serve", "--ctx-size", "big"])
     assert exit_.value.code == 2
     assert "--ctx-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--keep-alive", "soon"], ["--max-models", "-1"], ["--memory-budget", "lots"]],
+)
+def test_a_bad_models_flag_is_one_line_and_exit_2(capsys, tmp_path, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--models-dir", str(tmp_path), *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ferrum: error: ") and "\n" not in err

@@ -1,0 +1,87 @@
+"""Which models a server serves: the `--model` flags, or else every built-in model, every
+model in the store and every preset with a `path`.
+
+`--model` takes `REF` or `NAME=REF`; a REF is a GGUF file, a built-in model's name or a
+store model's name. The first model given (or the built-in default chat model) answers a
+request that names none.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ferrum.models.builtin import BUILTIN_PRESETS, BUILTINS, DEFAULT_CHAT_MODEL, builtin_path
+from ferrum.models.errors import ModelNotFound
+from ferrum.models.presets import Preset, merge
+from ferrum.models.registry import ModelSpec
+from ferrum.models.store import ModelStore
+
+
+def serve_specs(
+    model_args: tuple[str, ...], store: ModelStore, presets: dict[str, Preset]
+) -> list[ModelSpec]:
+    specs = [_from_arg(a, store, presets) for a in model_args]
+    if not specs:
+        specs = _everything(store, presets)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"model name {spec.name!r} is given twice")
+        seen.add(spec.name)
+    return specs
+
+
+def _from_arg(arg: str, store: ModelStore, presets: dict[str, Preset]) -> ModelSpec:
+    name, sep, ref = arg.partition("=")
+    if not sep:
+        name, ref = "", arg
+    path = os.path.expanduser(ref)
+    if os.path.isfile(path):
+        name = name or Path(path).stem
+        return _spec(name, _fixed(os.path.abspath(path)), f"file:{path}", presets)
+    if ref in BUILTINS:
+        return _spec(name or ref, functools.partial(builtin_path, ref), f"builtin:{ref}", presets)
+    if path.endswith(".gguf"):
+        raise ValueError(f"model file not found: {ref}")
+    try:
+        manifest = store.resolve(ref)
+    except ModelNotFound as exc:
+        names = [*BUILTINS, *(m.name for m in store.list())]
+        raise ModelNotFound(ref, names) from exc
+    first = manifest.files[0]
+    return _spec(name or manifest.name, _fixed(first), manifest.source, presets, manifest.added)
+
+
+def _everything(store: ModelStore, presets: dict[str, Preset]) -> list[ModelSpec]:
+    specs = [
+        _spec(n, functools.partial(builtin_path, n), f"builtin:{n}", presets)
+        for n in sorted(BUILTINS, key=lambda n: n != DEFAULT_CHAT_MODEL)
+    ]
+    for m in store.list():
+        if m.name not in BUILTINS:
+            specs.append(_spec(m.name, _fixed(m.files[0]), m.source, presets, m.added))
+    names = {s.name for s in specs}
+    for name, preset in presets.items():
+        if preset.path and name not in names:
+            specs.append(_spec(name, _fixed(preset.path), f"file:{preset.path}", presets))
+    return specs
+
+
+def _fixed(path: str) -> Callable[[], str]:
+    return lambda: path
+
+
+def _spec(
+    name: str,
+    locate: Callable[[], str],
+    source: str,
+    presets: dict[str, Preset],
+    created: float = 0.0,
+) -> ModelSpec:
+    preset = presets.get(name, Preset())
+    if source.startswith("builtin:"):
+        preset = merge(BUILTIN_PRESETS.get(source.removeprefix("builtin:"), Preset()), preset)
+    return ModelSpec(name, locate, source, created, preset)

@@ -1,0 +1,123 @@
+"""Per-model settings from a TOML presets file (`--presets`); flags give the defaults.
+
+    [models."smollm2-135m-instruct"]
+    ctx_size = 4096            # engine settings: ctx_size, parallel, batch_size
+    parallel = 4
+    chat_template = "chatml"   # a built-in template name or a Jinja file
+    aliases = ["smol", "gpt-4o-mini"]
+    system = "You are a terse assistant."   # used when a chat has no system message
+    keep_alive = "10m"
+    [models."smollm2-135m-instruct".sampling]   # defaults a request's own fields override
+    temperature = 0.2
+    max_tokens = 256
+
+    [models.my-model]
+    path = "/models/my-model.gguf"  # a model served from a file, outside the store
+
+Unknown keys are refused by name, so a typo does not silently do nothing.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferrum.models.units import parse_duration
+
+_ENGINE_KEYS = {"ctx_size": int, "parallel": int, "batch_size": int}
+_SAMPLING_KEYS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "max_tokens": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "seed": int,
+}
+_KEYS = {"path", "chat_template", "aliases", "system", "keep_alive", "sampling", *_ENGINE_KEYS}
+
+
+@dataclass(frozen=True)
+class Preset:
+    path: str = ""
+    engine: dict[str, int] = field(default_factory=dict)
+    chat_template: str = ""
+    aliases: tuple[str, ...] = ()
+    system: str = ""
+    keep_alive: float | None = None
+    sampling: dict[str, float | int] = field(default_factory=dict)
+
+
+def merge(base: Preset, override: Preset) -> Preset:
+    """`override`'s settings over `base`'s: sampling and engine keys one by one, the rest
+    where `override` sets them."""
+    return Preset(
+        path=override.path or base.path,
+        engine={**base.engine, **override.engine},
+        chat_template=override.chat_template or base.chat_template,
+        aliases=override.aliases or base.aliases,
+        system=override.system or base.system,
+        keep_alive=base.keep_alive if override.keep_alive is None else override.keep_alive,
+        sampling={**base.sampling, **override.sampling},
+    )
+
+
+def load_presets(path: str) -> dict[str, Preset]:
+    """The presets by model name; a ValueError naming the file and key on any mistake."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"presets file {path}: {exc}") from exc
+    models = data.get("models", {})
+    extra = set(data) - {"models"}
+    if extra or not isinstance(models, dict):
+        raise ValueError(f"presets file {path}: only [models.NAME] tables are allowed")
+    return {name: _preset(path, name, table) for name, table in models.items()}
+
+
+def _preset(file: str, name: str, table: Any) -> Preset:
+    where = f"presets file {file}, model {name!r}"
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table")
+    unknown = set(table) - _KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    engine = {k: _typed(where, k, table[k], tp) for k, tp in _ENGINE_KEYS.items() if k in table}
+    sampling = table.get("sampling", {})
+    if not isinstance(sampling, dict) or set(sampling) - set(_SAMPLING_KEYS):
+        raise ValueError(f"{where}: sampling takes {', '.join(_SAMPLING_KEYS)}")
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ValueError(f"{where}: aliases must be a list of strings")
+    keep_alive = None
+    if "keep_alive" in table:
+        try:
+            keep_alive = parse_duration(table["keep_alive"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: keep_alive: {exc}") from exc
+    path = str(table.get("path", ""))
+    if path:
+        path = str(Path(file).parent / Path(path).expanduser())
+    return Preset(
+        path=path,
+        engine=engine,
+        chat_template=str(table.get("chat_template", "")),
+        aliases=tuple(aliases),
+        system=str(table.get("system", "")),
+        keep_alive=keep_alive,
+        sampling={k: _typed(where, k, v, _SAMPLING_KEYS[k]) for k, v in sampling.items()},
+    )
+
+
+def _typed(where: str, key: str, value: Any, tp: type) -> Any:
+    ok = isinstance(value, tp) or (tp is float and isinstance(value, int))
+    if not ok or isinstance(value, bool):
+        raise ValueError(f"{where}: {key} must be {'a number' if tp is float else 'an integer'}")
+    return tp(value)
