@@ -59,7 +59,9 @@ class EngineConfig:
     n_predict: int = field(
         default=-1,
         metadata=_flag(
-            "--n-predict", help="max_tokens when a request gives none (-1: until the context ends)"
+            "--n-predict",
+            help="max_tokens when neither the request nor the model's preset gives one "
+            "(-1: until the context ends)",
         ),
     )
     block_size: int = field(

@@ -95,4 +95,9 @@ class EngineError(FerrumError):
 
 
 class ModelLoadError(FerrumError):
-    """The model file is missing or unreadable; the server refuses to start."""
+    """A model could not be loaded (missing, corrupt or unsupported file, no memory for its
+    context): the server refuses to start on its first model; for a model loaded on demand
+    its requests get a 503 and the other models keep serving."""
+
+    status = 503
+    code = "model_load_failed"

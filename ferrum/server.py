@@ -16,8 +16,11 @@ from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
+from ferrum.errors import ModelLoadError
 from ferrum.metrics import ServerMetrics
 from ferrum.models.catalog import serve_specs
+from ferrum.models.errors import InvalidModelFile
+from ferrum.models.gguf_file import read_gguf
 from ferrum.models.memory import estimate_bytes, memory_budget
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import ModelSpec, Registry
@@ -49,7 +52,12 @@ class _Loader:
 
     def _build(self, spec: ModelSpec) -> ServedModel:
         cfg = self.engine_config(spec)
-        runner = LlamaRunner(cfg, spec.locate())
+        path = spec.locate()
+        try:
+            read_gguf(path)  # a clear reason for a cut or foreign file, before llama.cpp's
+        except InvalidModelFile as exc:
+            raise ModelLoadError(f"model {spec.name!r} cannot be loaded: {exc.message}") from exc
+        runner = LlamaRunner(cfg, path)
         info = runner.info
         try:
             template = spec.preset.chat_template or self.server_cfg.chat_template

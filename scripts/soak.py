@@ -50,7 +50,7 @@ class Tally:
 def _chat_body(rng: random.Random, stream: bool, prefix: str = "") -> dict:
     q = f"{prefix}Question {rng.getrandbits(24)}: name a {rng.choice(['bread', 'cake', 'drink'])}."
     return {
-        "model": "soak",
+        "model": "",  # the server's default model
         "messages": [{"role": "user", "content": q}],
         "stream": stream,
         "max_tokens": rng.randint(4, 40),
@@ -151,14 +151,16 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _counters(base: str) -> dict[str, float]:
-    """The server's Prometheus counters, by name (e.g. ferrum_faults_injected_total)."""
+    """The server's Prometheus counters by name (e.g. ferrum_faults_injected_total), summed
+    over their labels (every model's, every reason's)."""
     async with httpx.AsyncClient(base_url=base, timeout=10) as client:
         text = (await client.get("/metrics")).text
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        series, _, value = line.rpartition(" ")
+        name = series.partition("{")[0]
         if name.endswith("_total") and not line.startswith("#"):
-            out[name] = float(value)
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -180,7 +182,10 @@ def _held_blocks(h: dict) -> int:
 def _start_server(inject_faults: float, log_path: Path) -> ServerProcess:
     port = free_port()
     flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", "--log-level", "warning")
-    cmd = ferrum_command(port, *flags, "--inject-faults", str(inject_faults))
+    # Gemma 3 270M alone, in a store of its own: a base model's long answers load the engine,
+    # and the machine's own store stays out.
+    models = ("--model", "gemma3-270m", "--models-dir", str(log_path.parent / "ferrum-soak-models"))
+    cmd = ferrum_command(port, *flags, *models, "--inject-faults", str(inject_faults))
     server = ServerProcess(cmd, log_path, port)
     server.wait_ready(server.url, "/health", timeout=120)
     return server

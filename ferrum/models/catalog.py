@@ -28,15 +28,15 @@ def serve_specs(
         specs = _everything(store, presets)
     seen: set[str] = set()
     for spec in specs:
-        if spec.name in seen:
+        if spec.name.lower() in seen:  # names resolve regardless of case
             raise ValueError(f"model name {spec.name!r} is given twice")
-        seen.add(spec.name)
+        seen.add(spec.name.lower())
     return specs
 
 
 def _from_arg(arg: str, store: ModelStore, presets: dict[str, Preset]) -> ModelSpec:
     name, sep, ref = arg.partition("=")
-    if not sep:
+    if not sep or os.path.isfile(os.path.expanduser(arg)):  # a file may have "=" in its name
         name, ref = "", arg
     path = os.path.expanduser(ref)
     if os.path.isfile(path):
@@ -44,12 +44,16 @@ def _from_arg(arg: str, store: ModelStore, presets: dict[str, Preset]) -> ModelS
         return _spec(name, _fixed(os.path.abspath(path)), f"file:{path}", presets)
     if ref in BUILTINS:
         return _spec(name or ref, functools.partial(builtin_path, ref), f"builtin:{ref}", presets)
+    if ref in presets and presets[ref].path:
+        file = presets[ref].path
+        return _spec(name or ref, _fixed(file), f"file:{file}", presets)
     if path.endswith(".gguf"):
         raise ValueError(f"model file not found: {ref}")
     try:
         manifest = store.resolve(ref)
     except ModelNotFound as exc:
-        names = [*BUILTINS, *(m.name for m in store.list())]
+        with_path = [n for n, p in presets.items() if p.path]
+        names = [*BUILTINS, *(m.name for m in store.list()), *with_path]
         raise ModelNotFound(ref, names) from exc
     first = manifest.files[0]
     return _spec(name or manifest.name, _fixed(first), manifest.source, presets, manifest.added)
@@ -60,12 +64,13 @@ def _everything(store: ModelStore, presets: dict[str, Preset]) -> list[ModelSpec
         _spec(n, functools.partial(builtin_path, n), f"builtin:{n}", presets)
         for n in sorted(BUILTINS, key=lambda n: n != DEFAULT_CHAT_MODEL)
     ]
+    builtins = {n.lower() for n in BUILTINS}
     for m in store.list():
-        if m.name not in BUILTINS:
+        if m.name.lower() not in builtins:
             specs.append(_spec(m.name, _fixed(m.files[0]), m.source, presets, m.added))
-    names = {s.name for s in specs}
+    names = {s.name.lower() for s in specs}
     for name, preset in presets.items():
-        if preset.path and name not in names:
+        if preset.path and name.lower() not in names:
             specs.append(_spec(name, _fixed(preset.path), f"file:{preset.path}", presets))
     return specs
 

@@ -78,7 +78,8 @@ def load_presets(path: str) -> dict[str, Preset]:
     models = data.get("models", {})
     extra = set(data) - {"models"}
     if extra or not isinstance(models, dict):
-        raise ValueError(f"presets file {path}: only [models.NAME] tables are allowed")
+        named = f" (found {', '.join(sorted(extra))})" if extra else ""
+        raise ValueError(f"presets file {path}: only [models.NAME] tables are allowed{named}")
     return {name: _preset(path, name, table) for name, table in models.items()}
 
 
@@ -91,8 +92,14 @@ def _preset(file: str, name: str, table: Any) -> Preset:
         raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     engine = {k: _typed(where, k, table[k], tp) for k, tp in _ENGINE_KEYS.items() if k in table}
     sampling = table.get("sampling", {})
-    if not isinstance(sampling, dict) or set(sampling) - set(_SAMPLING_KEYS):
-        raise ValueError(f"{where}: sampling takes {', '.join(_SAMPLING_KEYS)}")
+    if not isinstance(sampling, dict):
+        raise ValueError(f"{where}: sampling must be a table")
+    unknown = set(sampling) - set(_SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown sampling key(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(_SAMPLING_KEYS)})"
+        )
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ValueError(f"{where}: aliases must be a list of strings")
@@ -102,18 +109,25 @@ def _preset(file: str, name: str, table: Any) -> Preset:
             keep_alive = parse_duration(table["keep_alive"])
         except ValueError as exc:
             raise ValueError(f"{where}: keep_alive: {exc}") from exc
-    path = str(table.get("path", ""))
+    path = _text(where, table, "path")
     if path:
         path = str(Path(file).parent / Path(path).expanduser())
     return Preset(
         path=path,
         engine=engine,
-        chat_template=str(table.get("chat_template", "")),
+        chat_template=_text(where, table, "chat_template"),
         aliases=tuple(aliases),
-        system=str(table.get("system", "")),
+        system=_text(where, table, "system"),
         keep_alive=keep_alive,
         sampling={k: _typed(where, k, v, _SAMPLING_KEYS[k]) for k, v in sampling.items()},
     )
+
+
+def _text(where: str, table: dict[str, Any], key: str) -> str:
+    value = table.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: {key} must be a string")
+    return value
 
 
 def _typed(where: str, key: str, value: Any, tp: type) -> Any:

@@ -56,6 +56,7 @@ from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
 
 from ferrum.errors import NotFound
+from ferrum.models.builtin import BUILTINS, builtin_path
 from ferrum.models.errors import (
     HubAccessDenied,
     InsufficientStorage,
@@ -106,6 +107,8 @@ def pull(
 ) -> Manifest:
     """Pulls `ref` (see `reference.parse_reference`) into the store; a local file is adopted
     in place. `name` overrides the store name ("org/repo:QUANT")."""
+    if ref in BUILTINS:  # a built-in model, adopted where its package keeps it
+        return adopt(store, builtin_path(ref), name or ref, source=f"builtin:{ref}")
     reference = parse_reference(ref)
     report = progress or (lambda p: None)
     if reference.kind == "file":
@@ -184,7 +187,13 @@ def _fetch(
         raise PullError(f"pulling {name} failed: {exc}") from exc
 
 
-def adopt(store: ModelStore, path: str | os.PathLike[str], name: str | None = None) -> Manifest:
+def adopt(
+    store: ModelStore,
+    path: str | os.PathLike[str],
+    name: str | None = None,
+    *,
+    source: str | None = None,
+) -> Manifest:
     """Adds a local GGUF under `name` (default: the file's stem), referenced in place: the
     store never moves or deletes it. A split model's shard brings all its shards."""
     given = Path(path).expanduser().absolute()
@@ -197,7 +206,8 @@ def adopt(store: ModelStore, path: str | os.PathLike[str], name: str | None = No
         raise InvalidModelFile(f"split model {given.name} lacks shard(s): {', '.join(missing)}")
     facts = _check_model(files, [f.name for f in files])
     name = name or model_stem(given.name)
-    manifest = _manifest(name, f"file:{files[0]}", files, facts, quant_of(given.name))
+    source = source or f"file:{files[0]}"
+    manifest = _manifest(name, source, files, facts, quant_of(given.name))
     with store.lock(name):
         store.add(manifest)
     return manifest

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ferrum.errors import FerrumError, ServiceUnavailable
+from ferrum.errors import FerrumError, ModelLoadError, ServiceUnavailable
 from ferrum.models.errors import InsufficientMemory, ModelBusy, ModelNotFound
 from ferrum.models.presets import Preset
 
@@ -212,15 +212,20 @@ class Registry(Generic[T]):
                 started = time.perf_counter()
                 model = await self._load(slot.spec)
                 seconds = time.perf_counter() - started
-            slot.model, slot.loaded_at = model, time.time()
-            slot.last_used, slot.expires_at = time.monotonic(), None
-            log.info("loaded %s in %.2f s", slot.spec.name, seconds)
-            if self._observer is not None:
-                self._observer.on_load(slot.spec.name, seconds)
-                self._observer.on_loaded_count(self.loaded_count)
-            return model
+        except FerrumError:
+            raise
+        except Exception as exc:  # a broken model fails its requests, never the server
+            log.exception("loading %s failed", slot.spec.name)
+            raise ModelLoadError(f"model {slot.spec.name!r} cannot be loaded: {exc}") from exc
         finally:
-            slot.loading = None
+            slot.loading = None  # (no await until the model is set: nobody sees the gap)
+        slot.model, slot.loaded_at = model, time.time()
+        slot.last_used, slot.expires_at = time.monotonic(), None
+        log.info("loaded %s in %.2f s", slot.spec.name, seconds)
+        if self._observer is not None:
+            self._observer.on_load(slot.spec.name, seconds)
+            self._observer.on_loaded_count(self.loaded_count)
+        return model
 
     async def _make_room(self, slot: _Slot[T]) -> None:
         if not slot.estimate:

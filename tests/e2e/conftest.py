@@ -13,16 +13,23 @@ from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 
 
 @contextlib.contextmanager
-def running_server(tmp_path_factory, name: str, *extra: str) -> Iterator[str]:
+def running_server(
+    tmp_path_factory, name: str, *extra: str, models: tuple[str, ...] = ("gemma3-270m",),
+    env: dict[str, str] | None = None, handle: list | None = None,
+) -> Iterator[str]:
     """`ferrum serve` on Gemma 3 270M alone with the suite's settings plus `extra` flags
-    (which may name other models)."""
+    (`models`: the --model flags; none: every built-in and store model). `handle` receives
+    the ServerProcess, for tests that watch the process itself."""
     folder = tmp_path_factory.mktemp("server")
     log_path = folder / f"{name}.log"
     port = free_port()
-    models = () if "--model" in extra else ("--model", "gemma3-270m")
-    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *models,
-             "--models-dir", str(folder / "models"), *extra)
-    server = ServerProcess(ferrum_command(port, *flags), log_path, port)
+    if not any(flag.startswith("--models-dir") for flag in extra):
+        extra = ("--models-dir", str(folder / "models"), *extra)
+    model_flags = [f for m in models for f in ("--model", m)]
+    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *model_flags, *extra)
+    server = ServerProcess(ferrum_command(port, *flags), log_path, port, env=env)
+    if handle is not None:
+        handle.append(server)
     try:
         server.wait_ready(server.url, "/health", timeout=120)
         yield server.url

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from ferrum.errors import ServiceUnavailable
+from ferrum.errors import ModelLoadError, ServiceUnavailable
 from ferrum.models.errors import InsufficientMemory, ModelBusy, ModelNotFound
 from ferrum.models.presets import Preset
 from ferrum.models.registry import ModelSpec, Registry
@@ -67,7 +67,7 @@ def test_a_failed_load_fails_its_requests_and_the_next_one_tries_again():
     async def main():
         loads = Loads(fail={"a"})
         reg = _registry(loads, "a", "b")
-        with pytest.raises(OSError):
+        with pytest.raises(ModelLoadError):
             await reg.acquire("a")
         loads.fail.clear()
         lease = await reg.acquire("a")
@@ -228,5 +228,19 @@ def test_lease_release_is_idempotent():
         lease.release()
         lease.release()
         assert reg.loaded()[0].in_flight == 0
+
+    run(main())
+
+
+def test_a_loader_that_breaks_is_a_503_naming_the_model():
+    async def main():
+        async def broken(spec):
+            raise FileExistsError("the assembled file differs")
+
+        reg = Registry(_specs("a", "b"), broken, Loads().unload)
+        with pytest.raises(ModelLoadError) as err:
+            await reg.acquire("a")
+        assert err.value.status == 503 and "'a'" in err.value.message
+        assert reg.loaded() == []
 
     run(main())

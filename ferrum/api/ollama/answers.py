@@ -2,9 +2,9 @@
 (`serving.py`) and answered as Ollama's chunks, streamed as NDJSON or sent whole.
 
 Rules:
-- `think`: reasoning the engine splits out of `<think>` (`--split-think`) comes back as
-  `thinking` unless think is false, which drops it: ferrum cannot tell a template not to
-  think, so the model may still spend tokens on it (they count in eval_count).
+- `think`: reasoning the engine splits out of `<think>` (unless `--reasoning-inline`) comes
+  back as `thinking` unless think is false, which drops it: ferrum cannot tell a template not
+  to think, so the model may still spend tokens on it (they count in eval_count).
 - Tool calls come back as `message.tool_calls` whose `function.arguments` is an object.
 - A chat with no messages or a generate with no prompt loads the model (done_reason "load"),
   or with keep_alive 0 unloads it ("unload"): Ollama's idioms. A model with requests in
