@@ -75,6 +75,15 @@ class EngineConfig:
         default=0,
         metadata=_flag("--gpu-layers", "-ngl", help="layers offloaded to the GPU (CUDA builds)"),
     )
+    pooling: str = field(
+        default="",
+        metadata=_flag(
+            "--pooling",
+            help="let chat models embed too, pooled this way (mean, cls, last), in a second "
+            "context; embedding models (BERT-like, or a GGUF that states its pooling) always "
+            "embed and use their own pooling",
+        ),
+    )
     inject_faults: float = field(
         default=0.0,
         metadata=_flag(

@@ -37,6 +37,7 @@ class Metrics(EngineObserver):
         self._add_request_metrics(self.registry)
         self._add_engine_metrics(self.registry)
         self._add_prefix_metrics(self.registry)
+        self._add_embedding_metrics(self.registry)
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -194,6 +195,39 @@ class Metrics(EngineObserver):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def _add_embedding_metrics(self, r: CollectorRegistry) -> None:
+        self.embedding_requests = Counter(
+            "ferrum_embedding_requests", "Embedding and rerank requests answered", registry=r
+        )
+        self.embedding_inputs = Counter(
+            "ferrum_embedding_inputs", "Inputs embedded (texts, token arrays, pairs)", registry=r
+        )
+        self.embedding_tokens = Counter(
+            "ferrum_embedding_tokens", "Tokens of the inputs embedded", registry=r
+        )
+        self.embedding_batch_inputs = Histogram(
+            "ferrum_embedding_batch_inputs",
+            "Inputs per embedding decode (batching across requests at work)",
+            buckets=_STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batch_seconds = Histogram(
+            "ferrum_embedding_batch_seconds",
+            "Seconds one embedding decode took",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+
+    def on_embedding_request(self, inputs: int, tokens: int) -> None:
+        self.embedding_requests.inc()
+        self.embedding_inputs.inc(inputs)
+        self.embedding_tokens.inc(tokens)
+
+    def on_embedding_batch(self, inputs: int, tokens: int, seconds: float) -> None:
+        """Called on the embedding engine's thread after each decode."""
+        self.embedding_batch_inputs.observe(inputs)
+        self.embedding_batch_seconds.observe(seconds)
 
     def idle(self) -> None:
         """The gauges of a model that was unloaded: nothing running, nothing held."""

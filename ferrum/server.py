@@ -11,9 +11,11 @@ from fastapi import FastAPI
 
 from ferrum.api.app import ServerState, create_app
 from ferrum.api.chat_template import ChatFormatter, resolve_template
-from ferrum.api.serving import ServedModel
+from ferrum.api.loaded import EmbeddingModel, Loaded, ServedModel
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.embedding import EmbeddingEngine
+from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
 from ferrum.errors import ModelLoadError
@@ -45,18 +47,50 @@ class _Loader:
             batch_size=engine.get("batch_size", self.engine_cfg.batch_size),
         )
 
-    async def load(self, spec: ModelSpec) -> ServedModel:
+    async def load(self, spec: ModelSpec) -> Loaded:
         model = await asyncio.to_thread(self._build, spec)
-        model.engine.start()
+        if isinstance(model, ServedModel):
+            model.engine.start()
+        if model.embedder is not None:
+            model.embedder.start()
         return model
 
-    def _build(self, spec: ModelSpec) -> ServedModel:
+    def _build(self, spec: ModelSpec) -> Loaded:
         cfg = self.engine_config(spec)
         path = spec.locate()
         try:
-            read_gguf(path)  # a clear reason for a cut or foreign file, before llama.cpp's
+            facts = read_gguf(path)  # a clear reason for a cut or foreign file, first
         except InvalidModelFile as exc:
             raise ModelLoadError(f"model {spec.name!r} cannot be loaded: {exc.message}") from exc
+        if facts.is_embedding_model:
+            runner = self._embedding_runner(path, cfg, pooling="")
+            return EmbeddingModel(
+                name=spec.name,
+                embedder=self._embedder(runner, spec.name),
+                vocab=runner.vocab,
+                metrics=self.metrics.for_model(spec.name),
+                close_runner=runner.close,
+            )
+        return self._chat(spec, cfg, path)
+
+    def _embedding_runner(self, path: str, cfg: EngineConfig, pooling: str) -> EmbeddingRunner:
+        threads = cfg.resolved_threads()
+        return EmbeddingRunner(
+            path,
+            threads=threads,
+            batch_tokens=cfg.batch_size,
+            pooling=pooling,
+            gpu_layers=cfg.gpu_layers,
+        )
+
+    def _embedder(self, runner: EmbeddingRunner, name: str) -> EmbeddingEngine:
+        return EmbeddingEngine(
+            runner,
+            max_queue_inputs=self.server_cfg.max_queue * 64,
+            on_batch=self.metrics.for_model(name).on_embedding_batch,
+        )
+
+    def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str) -> ServedModel:
         runner = LlamaRunner(cfg, path)
         info = runner.info
         try:
@@ -76,7 +110,7 @@ class _Loader:
         )
         sampling = dict(spec.preset.sampling)
         max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))
-        return ServedModel(
+        served = ServedModel(
             name=spec.name,
             engine=AsyncEngine(engine, max_queue=self.server_cfg.max_queue),
             vocab=runner.vocab,
@@ -88,11 +122,28 @@ class _Loader:
             system=spec.preset.system,
             close_runner=runner.close,
         )
+        if cfg.pooling:  # a second context on the same (memory-mapped) weights
+            try:
+                second = self._embedding_runner(path, cfg, cfg.pooling)
+            except Exception:
+                runner.close()
+                raise
 
-    async def unload(self, model: ServedModel) -> None:
-        await model.engine.stop()
-        # The engine thread has ended and the lease rule kept every preparing request away:
-        # nothing uses the runner or its vocabulary any more.
+            def close_both() -> None:
+                runner.close()
+                second.close()
+
+            served.embedder = self._embedder(second, spec.name)
+            served.close_runner = close_both
+        return served
+
+    async def unload(self, model: Loaded) -> None:
+        if isinstance(model, ServedModel):
+            await model.engine.stop()
+        if model.embedder is not None:
+            await model.embedder.stop()
+        # The engine threads have ended and the lease rule kept every preparing request
+        # away: nothing uses the runners or their vocabularies any more.
         await asyncio.to_thread(model.close_runner)
 
     def estimate(self, spec: ModelSpec) -> int:
@@ -108,7 +159,7 @@ def build_server(
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets))
     metrics = ServerMetrics()
     loader = _Loader(engine_cfg, server_cfg, metrics)
-    registry: Registry[ServedModel] = Registry(
+    registry: Registry[Loaded] = Registry(
         specs,
         loader.load,
         loader.unload,

@@ -227,7 +227,7 @@ def llama_engine(
 def fake_served(name: str, runner: FakeRunner, metrics, max_queue: int = 64, **fields):
     """One fake model as the API serves it (ChatML template, byte tokenizer)."""
     from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
-    from ferrum.api.serving import ServedModel
+    from ferrum.api.loaded import ServedModel
     from ferrum.engine.async_engine import AsyncEngine
 
     engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)
@@ -242,19 +242,66 @@ def fake_served(name: str, runner: FakeRunner, metrics, max_queue: int = 64, **f
     )
 
 
+@dataclass(frozen=True)
+class FakeEmbeddingFacts:
+    n_embd: int = 16
+    max_tokens: int = 32
+    pooling: str = "mean"
+    n_vocab: int = N_VOCAB
+    architecture: str = "fake-bert"
+    description: str = "fake embedding model"
+
+
+class FakeEmbedder:
+    """Embeds token lists as normalised-later histograms of their bytes folded into n_embd
+    buckets: texts sharing letters come out close. Records every batch it was given."""
+
+    def __init__(self, facts: FakeEmbeddingFacts | None = None):
+        self.info = facts or FakeEmbeddingFacts()
+        self.batches: list[list[list[int]]] = []
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+
+    async def stop(self) -> None:
+        self.alive = False
+
+    async def embed(self, inputs):
+        import numpy as np
+
+        self.batches.append(inputs)
+        out = []
+        for tokens in inputs:
+            v = np.zeros(self.info.n_embd, dtype=np.float32)
+            for t in tokens:
+                v[t % self.info.n_embd] += 1.0
+            out.append(v * 3.0)  # not normalised: the API must normalise
+        return out
+
+
 def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **registry_kw):
-    """A registry over fake models: `runners` maps each name to a FakeRunner factory."""
+    """A registry over fake models: `runners` maps each name to a factory of a FakeRunner
+    (a chat model) or of a FakeEmbedder (an embedding model)."""
+    from ferrum.api.loaded import EmbeddingModel
     from ferrum.models.registry import ModelSpec, Registry
 
     async def load(spec):
-        served = fake_served(spec.name, runners[spec.name](), metrics.for_model(spec.name),
+        made = runners[spec.name]()
+        if isinstance(made, FakeEmbedder):
+            made.start()
+            return EmbeddingModel(spec.name, made, FakeVocab(), metrics.for_model(spec.name))
+        served = fake_served(spec.name, made, metrics.for_model(spec.name),
                              max_queue, sampling=dict(spec.preset.sampling),
                              system=spec.preset.system)
         served.engine.start()
         return served
 
     async def unload(served):
-        await served.engine.stop()
+        if hasattr(served, "engine"):
+            await served.engine.stop()
+        if served.embedder is not None:
+            await served.embedder.stop()
 
     specs = specs or [ModelSpec(n, lambda: "") for n in runners]
     return Registry(specs, load, unload, observer=metrics, **registry_kw)

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
+from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama import add_ollama_routes
 from ferrum.api.protocol import (
     ChatCompletionRequest,
@@ -31,6 +33,7 @@ from ferrum.api.protocol import (
 from ferrum.api.serving import (
     ServerState,
     acquire,
+    acquire_chat,
     check_token_ids,
     complete,
     prepare_chat,
@@ -185,13 +188,21 @@ def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        lease = await acquire(state, body.model, body.keep_alive)
+        lease = await acquire_chat(state, body.model, body.keep_alive)
         return await complete(state, request, body, prepare_chat, lease)
 
     @_route(app, "POST", "/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        lease = await acquire(state, body.model, body.keep_alive)
+        lease = await acquire_chat(state, body.model, body.keep_alive)
         return await complete(state, request, body, prepare_completion, lease)
+
+    @_route(app, "POST", "/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        return await embeddings(state, body)
+
+    @_route(app, "POST", "/v1/rerank")
+    async def create_rerank(body: RerankRequest) -> dict[str, Any]:
+        return await rerank(state, body)
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
@@ -207,7 +218,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @_route(app, "GET", "/health")
     async def health() -> JSONResponse:
         loaded = state.models.loaded()
-        ok = all(m.model.engine.alive for m in loaded)
+        ok = all(m.model.alive for m in loaded)
         per_model = {m.spec.name: state.metrics.snapshot(m.spec.name) for m in loaded}
         body = {
             "status": "ok" if ok else "error",
@@ -236,7 +247,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         lease = await acquire(state, body.model)
         try:
-            tokens = check_token_ids(lease.model, body.tokens, "tokens")
+            tokens = check_token_ids(_n_vocab(lease.model), body.tokens, "tokens")
             data = b"".join(lease.model.vocab.token_bytes(t) for t in tokens)
         finally:
             lease.release()
@@ -260,6 +271,10 @@ def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
+def _n_vocab(model: Loaded) -> int:
+    return model.info.n_vocab if isinstance(model, ServedModel) else model.embedder.info.n_vocab
+
+
 def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
     card: dict[str, Any] = {
         "id": spec.name,
@@ -269,14 +284,28 @@ def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
         "loaded": False,
     }
     for m in state.models.loaded():
-        if m.spec.name == spec.name:
-            info = m.model.info
-            card["loaded"] = True
+        if m.spec.name != spec.name:
+            continue
+        card["loaded"] = True
+        model = m.model
+        if isinstance(model, ServedModel):
+            info = model.info
             card["meta"] = {
                 "architecture": info.architecture,
                 "description": info.description,
                 "n_ctx": info.n_ctx,
                 "n_ctx_train": info.n_ctx_train,
                 "n_vocab": info.n_vocab,
+            }
+        else:
+            facts = model.embedder.info
+            card["meta"] = {
+                "architecture": facts.architecture,
+                "description": facts.description,
+                "embedding": True,
+                "n_embd": facts.n_embd,
+                "pooling": facts.pooling,
+                "max_input_tokens": facts.max_tokens,
+                "n_vocab": facts.n_vocab,
             }
     return card

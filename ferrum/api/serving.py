@@ -20,16 +20,14 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ferrum.api.chat_template import ChatFormatter
-from ferrum.api.grammar import GrammarBuilder
+from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
 from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
-from ferrum.engine.batch import ModelInfo, Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
-from ferrum.metrics import Metrics, ServerMetrics
+from ferrum.metrics import ServerMetrics
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
 from ferrum.models.units import parse_duration
@@ -40,30 +38,10 @@ _DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
-class ServedModel:
-    """One loaded model as the API sees it: its engine and what prepares its requests."""
-
-    name: str
-    engine: AsyncEngine
-    vocab: Vocabulary  # read-only: safe in the worker threads that prepare requests
-    info: ModelInfo
-    formatter: ChatFormatter
-    metrics: Metrics
-    default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
-    sampling: dict[str, float | int] = dataclasses.field(default_factory=dict)  # preset's
-    system: str = ""  # the preset's system prompt, for chats that bring none
-    close_runner: Callable[[], None] = lambda: None  # after the engine has stopped
-    grammars: GrammarBuilder = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.grammars = GrammarBuilder(self.vocab)
-
-
-@dataclass
 class ServerState:
     """What every route shares: the registry of models and the server's settings."""
 
-    models: Registry[ServedModel]
+    models: Registry[Loaded]
     metrics: ServerMetrics
     store: ModelStore | None = None  # None: pulls and deletes through the API are refused
     api_keys: tuple[str, ...] = ()
@@ -119,12 +97,11 @@ def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
     if isinstance(prompt_in, str):
         prompt = model.vocab.tokenize(prompt_in, True, True)
     else:
-        prompt = check_token_ids(model, prompt_in, "prompt")
+        prompt = check_token_ids(model.info.n_vocab, prompt_in, "prompt")
     return Prepared(prompt, CompletionKind(chat=False, token_bytes=model.vocab.token_bytes))
 
 
-def check_token_ids(model: ServedModel, tokens: list[int], param: str) -> list[int]:
-    n_vocab = model.info.n_vocab
+def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:
     if any(not 0 <= t < n_vocab for t in tokens):
         raise InvalidRequest(f"token ids must be in [0, {n_vocab})", param=param)
     return list(tokens)
@@ -150,10 +127,26 @@ def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> 
 
 async def acquire(
     state: ServerState, name: str, keep_alive: str | float | None = None
-) -> Lease[ServedModel]:
+) -> Lease[Loaded]:
     """The named model, loaded if need be; the caller must release the lease (or hand it to
     `complete`, which always does)."""
     return await state.models.acquire(name, keep_alive_seconds(keep_alive))
+
+
+async def acquire_chat(
+    state: ServerState, name: str, keep_alive: str | float | None = None
+) -> Lease[ServedModel]:
+    """`acquire` for the routes that generate: an embedding model is a 400 naming it."""
+    lease = await acquire(state, name, keep_alive)
+    model = lease.model
+    if not isinstance(model, ServedModel):
+        lease.release()
+        raise InvalidRequest(
+            f"model {lease.name!r} is an embedding model: it answers /v1/embeddings and "
+            "/v1/rerank, not chats or completions",
+            param="model",
+        )
+    return Lease(lease.name, model, lease.release)
 
 
 @dataclass

@@ -87,6 +87,13 @@ class GGUFFacts:
     file_type: int | None = None  # general.file_type
     # K and V values one token adds to the KV cache over all layers (None: not stated).
     kv_values_per_token: int | None = None
+    pooling_type: int | None = None  # {arch}.pooling_type: 1 mean, 2 cls, 3 last, 4 rank
+    causal: bool | None = None  # {arch}.attention.causal (False: BERT-like encoders)
+
+    @property
+    def is_embedding_model(self) -> bool:
+        """An encoder or a model that states its pooling: it embeds, it does not chat."""
+        return self.causal is False or bool(self.pooling_type)
 
     @property
     def quant(self) -> str | None:
@@ -159,6 +166,8 @@ class _Header:
             expected_size=expected_size,
             file_type=_int_or(meta.get("general.file_type"), None),
             kv_values_per_token=self._kv_values(arch),
+            pooling_type=_int_or(meta.get(f"{arch}.pooling_type"), None),
+            causal=_bool_or_none(meta.get(f"{arch}.attention.causal")),
         )
 
     def _kv_values(self, arch: str) -> int | None:
@@ -236,6 +245,8 @@ class _Header:
 
 _SHAPE_KEYS = (
     ".context_length",
+    ".pooling_type",
+    ".attention.causal",
     ".block_count",
     ".embedding_length",
     ".attention.head_count",
@@ -253,3 +264,7 @@ def _wanted(key: str) -> bool:
 
 def _int_or(value: Any, default: int | None) -> Any:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _bool_or_none(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None

@@ -324,10 +324,10 @@ def test_images_and_unsupported_fields_are_refused():
         assert r.status_code == 400 and "role" in r.json()["error"]
 
 
-def test_embeddings_are_not_served_yet(two):
+def test_a_chat_model_asked_to_embed_is_an_ollama_shaped_400(two):
     client, _ = two
-    assert "not served yet" in _refused(lambda: client.embed("alpha", "hi"), 501)
-    assert "not served yet" in _refused(lambda: client.embeddings("alpha", "hi"), 501)
+    assert "does not serve embeddings" in _refused(lambda: client.embed("alpha", "hi"), 400)
+    assert "does not serve embeddings" in _refused(lambda: client.embeddings("alpha", "hi"), 400)
 
 
 def test_other_api_paths_are_ollama_shaped_404s(two):

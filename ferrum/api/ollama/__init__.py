@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferrum.api.ollama.answers import add_generation_routes
+from ferrum.api.ollama.embed import add_embed_routes
 from ferrum.api.ollama.models import add_model_routes, add_store_routes
 from ferrum.api.serving import ServerState
 from ferrum.errors import ClientGone, FerrumError, TooManyRequests
@@ -44,6 +45,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
     """The Ollama API's routes; any other /api path is a 404 in Ollama's shape."""
     route: Route = functools.partial(_api, app)
     add_generation_routes(route, state)
+    add_embed_routes(route, state)
     add_model_routes(route, state)
 
     @route("GET", "/api/version")

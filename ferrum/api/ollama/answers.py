@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ferrum.api.loaded import ServedModel
 from ferrum.api.ollama.bodies import (
     ChatBody,
     GenerateBody,
@@ -42,9 +43,8 @@ from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
     HeldStream,
     Prepared,
-    ServedModel,
     ServerState,
-    acquire,
+    acquire_chat,
     deadline,
     guard_stream,
     keep_alive_seconds,
@@ -283,7 +283,7 @@ async def _leased(
     state: ServerState, body: Generation, clock: _Clock, chat: bool
 ) -> tuple[Lease[ServedModel], _Answer]:
     """The body's model, loaded if need be, and how to answer on it."""
-    lease = await acquire(state, body.model, body.keep_alive)
+    lease = await acquire_chat(state, body.model, body.keep_alive)
     clock.loaded = time.perf_counter_ns()
     answer = _Answer(_Shape(lease.name, chat), body.stream, body.think is not False, clock)
     return lease, answer
@@ -314,7 +314,3 @@ def add_generation_routes(route: Route, state: ServerState) -> None:
             return await _serve(state, request, lease, openai, prepare_completion, answer)
         return await _serve(state, request, lease, openai, prepare_chat, answer)
 
-    @route("POST", "/api/embed")
-    @route("POST", "/api/embeddings")
-    async def embed(request: Request) -> Response:
-        return JSONResponse({"error": "embeddings are not served yet"}, status_code=501)

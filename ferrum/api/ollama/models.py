@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
 from ferrum.api.serving import ServerState
@@ -99,7 +100,11 @@ def _facts(
 
 
 async def _all_facts(state: ServerState, specs: list[ModelSpec]) -> list[_Facts]:
-    infos = {m.spec.name: m.model.info for m in state.models.loaded()}  # on the event loop
+    infos = {  # on the event loop
+        m.spec.name: m.model.info
+        for m in state.models.loaded()
+        if isinstance(m.model, ServedModel)
+    }
 
     def read() -> list[_Facts]:
         store = state.store.list() if state.store is not None else []
@@ -144,14 +149,16 @@ def _named(state: ServerState, name: str) -> ModelSpec:
 
 def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
     template = ""
+    embeds = False
     for m in state.models.loaded():
-        if m.spec.name == f.name:
+        if m.spec.name == f.name and isinstance(m.model, ServedModel):
             template = m.model.formatter.template_text
+        embeds = embeds or (m.spec.name == f.name and not isinstance(m.model, ServedModel))
     model_info: dict[str, Any] = {"general.architecture": f.family}
     if f.family and f.context_length:
         model_info[f"{f.family}.context_length"] = f.context_length
-    capabilities = ["completion"]
-    if f.chat_template or template:
+    capabilities = ["embedding"] if embeds else ["completion"]
+    if not embeds and (f.chat_template or template):
         capabilities.append("tools")  # tools ride on the chat template (tool_calls.py)
     return {
         "modelfile": "",
@@ -187,7 +194,7 @@ def add_model_routes(route: Route, state: ServerState) -> None:
                 "size": m.size or f.size,
                 "size_vram": 0,
                 "expires_at": rfc3339(m.expires_at or now + _FOREVER_S),
-                "context_length": m.model.info.n_ctx,
+                "context_length": _context(m.model),
             }
             for m, f in zip(loaded, facts, strict=True)
         ]
@@ -313,3 +320,9 @@ async def _pull_lines(lines: asyncio.Queue[dict[str, Any] | None]) -> AsyncItera
     while (line := await lines.get()) is not None:
         line.pop("status_code", None)
         yield ndjson_line(line)
+
+
+def _context(model: Loaded) -> int:
+    if isinstance(model, ServedModel):
+        return model.info.n_ctx
+    return model.embedder.info.max_tokens

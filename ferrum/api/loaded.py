@@ -1,0 +1,96 @@
+"""What a loaded model is, as the API sees it: a chat model (`ServedModel`: its generation
+engine, template and grammars, maybe an embedder too) or an embedding model
+(`EmbeddingModel`). The registry holds either (`Loaded`); each route asks for the kind it
+serves and refuses the other with a 400 naming the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ferrum.api.chat_template import ChatFormatter
+from ferrum.api.grammar import GrammarBuilder
+from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.batch import ModelInfo, Vocabulary
+from ferrum.metrics import Metrics
+
+
+@dataclass
+class ServedModel:
+    """One loaded model as the API sees it: its engine and what prepares its requests."""
+
+    name: str
+    engine: AsyncEngine
+    vocab: Vocabulary  # read-only: safe in the worker threads that prepare requests
+    info: ModelInfo
+    formatter: ChatFormatter
+    metrics: Metrics
+    default_max_tokens: int = -1  # --n-predict: max_tokens when a request gives none
+    sampling: dict[str, float | int] = dataclasses.field(default_factory=dict)  # preset's
+    system: str = ""  # the preset's system prompt, for chats that bring none
+    close_runner: Callable[[], None] = lambda: None  # after the engine has stopped
+    embedder: Embedder | None = None  # a chat model that embeds too (--pooling)
+    grammars: GrammarBuilder = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarBuilder(self.vocab)
+
+    @property
+    def alive(self) -> bool:
+        return self.engine.alive and (self.embedder is None or self.embedder.alive)
+
+
+class EmbeddingFacts(Protocol):
+    """What the API needs to know of an embedding model."""
+
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...  # the longest input
+    @property
+    def pooling(self) -> str: ...  # mean, cls, last, rank or none
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def description(self) -> str: ...
+
+
+class Embedder(Protocol):
+    """An embedding engine: inputs of many requests batched into the same decodes, on the
+    thread that owns its llama.cpp context (`ferrum.engine.embedding.EmbeddingEngine`)."""
+
+    @property
+    def info(self) -> EmbeddingFacts: ...
+    @property
+    def alive(self) -> bool: ...
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def embed(self, inputs: list[list[int]]) -> list[npt.NDArray[np.float32]]: ...
+
+
+@dataclass
+class EmbeddingModel:
+    """A loaded embedding model (an encoder, or a model whose GGUF states its pooling): it
+    answers /v1/embeddings, /v1/rerank and /api/embed, never a chat."""
+
+    name: str
+    embedder: Embedder
+    vocab: Vocabulary
+    metrics: Metrics
+    close_runner: Callable[[], None] = lambda: None
+
+    @property
+    def alive(self) -> bool:
+        return self.embedder.alive
+
+
+Loaded = ServedModel | EmbeddingModel
+
+
