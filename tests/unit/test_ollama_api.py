@@ -23,20 +23,8 @@ from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
 from tests.factories import EOS, FakeRunner, fake_app
 from tests.tiny_models import write_tiny_llama
+from tests.unit.test_api_tools import CALL, WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 HI = [{"role": "user", "content": "hi"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 
