@@ -34,7 +34,7 @@ import llama_cpp as ll
 import numpy as np
 
 from ferrum.engine.embedding import POOLINGS, EmbeddingInfo, Vector
-from ferrum.engine.runner import _LOG_CALLBACK
+from ferrum.engine.runner import route_llama_logs
 from ferrum.engine.vocab import LlamaVocab
 from ferrum.errors import EngineError, ModelLoadError
 
@@ -69,7 +69,7 @@ class EmbeddingRunner:
             raise ValueError(f"need 1 ≤ max_seqs ≤ {_LLAMA_MAX_SEQ} and batch_tokens ≥ 1")
         if not os.path.isfile(path):
             raise ModelLoadError(f"model file not found: {path}")
-        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        route_llama_logs()
         ll.llama_backend_init()
         self._model: Any = None
         self._ctx: Any = None

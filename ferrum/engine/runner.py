@@ -49,11 +49,17 @@ def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> 
 _LOG_CALLBACK = ll.llama_log_callback(_forward_llama_log)
 
 
+def route_llama_logs() -> None:
+    """llama.cpp's own log lines go to ferrum's logger (warnings and errors only). The
+    callback object lives at module level: llama.cpp keeps a pointer to it."""
+    ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
 class LlamaRunner:
     def __init__(self, config: EngineConfig, model_path: str):
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
-        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        route_llama_logs()
         ll.llama_backend_init()
         self._model: Any = None
         self._ctx: Any = None
