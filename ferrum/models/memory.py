@@ -10,28 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 from pathlib import Path
 
 from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
+from ferrum.models.reference import split_shards
 from ferrum.models.units import parse_size
 
 log = logging.getLogger("ferrum.models")
 
-_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _KV_CELL_BYTES = 2  # f16
 
 
 def model_files(path: str) -> list[Path]:
     """The files of a model: a split model's every shard beside its first."""
     first = Path(path)
-    m = _SHARD.search(first.name)
-    if m is None:
-        return [first]
-    stem, count = first.name[: m.start()], int(m.group(2))
-    return [first.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    shards = split_shards(first.name)
+    return [first.with_name(n) for n in shards] if shards else [first]
 
 
 def kv_bytes_per_token(path: str) -> int:
