@@ -165,7 +165,7 @@ def error_event(err: FerrumError) -> str:
     return _sse(err.to_dict())
 
 
-def _failure(out: RequestOutput) -> EngineError | None:
+def failure(out: RequestOutput) -> EngineError | None:
     """Why a request ended without a result: an engine error, or an abort it did not ask for
     (a client's own abort closes its stream first, so it never reads one)."""
     if out.finish_reason is FinishReason.ERROR:
@@ -219,7 +219,7 @@ async def collect(
         if out.logprobs is not None:
             logprobs[i] = (logprobs[i] or []) + out.logprobs
         if out.finished:
-            if (err := _failure(out)) is not None:
+            if (err := failure(out)) is not None:
                 raise err
             finals[i] = out
     if any(f is None for f in finals):  # each stream ends with a finished output: guard it
@@ -260,7 +260,7 @@ async def stream_sse(
     offsets = [0] * len(streams)  # characters sent per choice: logprobs' text_offset
     tools = _ToolStreams(kind.tool_format, len(streams))
     async for i, out in _merged(streams):
-        if out.finished and (err := _failure(out)) is not None:
+        if out.finished and (err := failure(out)) is not None:
             yield error_event(err)
             break
         content, calls = tools.feed(i, out)

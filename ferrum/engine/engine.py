@@ -216,6 +216,7 @@ class LLMEngine:
             out.logprobs += live.logprobs.finish(live.text.released_chars)
         out.finished = True
         out.finish_reason = reason
+        out.stop_string = live.text.stop_string
         out.error = error
         del self._live[req.request_id]
         self._finished_stats.append(

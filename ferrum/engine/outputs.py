@@ -35,6 +35,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: EngineError | None = None  # why an ERROR finish happened
+    stop_string: str | None = None  # the stop string that ended a STOP finish, if one did
     logprobs: list[LogprobEntry] | None = None  # None unless the request asked for them
 
 

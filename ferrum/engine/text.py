@@ -91,6 +91,7 @@ class StopMatcher:
         self._tails = _TailIndex(self._stops)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit now, whether a stop string was matched)."""
@@ -102,8 +103,9 @@ class StopMatcher:
         # found then), and one that straddles it must start inside the held
         # tail, so scanning held + new text is enough.
         buf = self._held + text
-        cut = self._first_completed(buf)
-        if cut is not None:
+        first = self._first_completed(buf)
+        if first is not None:
+            cut, self.matched = first
             self._held = ""
             self.stopped = True
             return buf[:cut], True
@@ -116,16 +118,16 @@ class StopMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_completed(self, buf: str) -> int | None:
-        """Start index of the stop string that completes first in ``buf``, if any."""
-        best: tuple[int, int] | None = None
+    def _first_completed(self, buf: str) -> tuple[int, str] | None:
+        """Start index and text of the stop string that completes first in ``buf``, if any."""
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             start = buf.find(stop)
             if start >= 0:
-                key = (start + len(stop), start)
-                if best is None or key < best:
+                key = (start + len(stop), start, stop)
+                if best is None or key[:2] < best[:2]:
                     best = key
-        return None if best is None else best[1]
+        return None if best is None else (best[1], best[2])
 
 
 class _ThinkState(enum.Enum):
@@ -286,6 +288,11 @@ class TextPipeline:
     @property
     def mid_character(self) -> bool:
         return self._decoder.mid_character
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stop.matched
 
     def feed_token(self, token_id: int) -> Delta:
         """Delta for one generated token (often empty while text is held back)."""

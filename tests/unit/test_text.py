@@ -154,7 +154,9 @@ def test_stop_discards_text_after_match() -> None:
 
 def test_stop_first_completed_wins() -> None:
     # "c" completes before "abcd", so streaming never has to wait past a stop.
-    assert StopMatcher(["abcd", "c"]).feed("abcd") == ("ab", True)
+    matcher = StopMatcher(["abcd", "c"])
+    assert matcher.feed("abcd") == ("ab", True)
+    assert matcher.matched == "c"  # the one reported as the response's stop_sequence
     # Same end: the one starting earlier wins, so less text leaks.
     assert StopMatcher(["cd", "bcd"]).feed("abcd") == ("a", True)
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ferrum.api.generation import Delta, Event, Finish, serve
 from ferrum.api.loaded import ServedModel
 from ferrum.api.ollama.bodies import (
     ChatBody,
@@ -41,25 +42,15 @@ from ferrum.api.ollama.bodies import (
 )
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
-    HeldStream,
     Prepared,
     ServerState,
     acquire_chat,
-    deadline,
-    guard_stream,
     keep_alive_seconds,
-    prepare,
     prepare_chat,
     prepare_completion,
-    submit,
-    unless_gone,
-    with_defaults,
 )
-from ferrum.api.tool_calls import StreamDelta, ToolCall
-from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.request import FinishReason
-from ferrum.errors import EngineError, FerrumError, InvalidRequest
+from ferrum.errors import EngineError, FerrumError, InvalidRequest, RequestTimeout
 from ferrum.models.errors import ModelBusy
 from ferrum.models.registry import Lease
 
@@ -93,19 +84,6 @@ class _Clock:
         }
 
 
-@dataclass
-class _Delta:
-    content: str = ""
-    thinking: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class _Done:
-    reason: str
-    stats: dict[str, int]
-
-
 def rfc3339(unix: float) -> str:
     at = datetime.datetime.fromtimestamp(unix, datetime.UTC)
     return at.isoformat(timespec="microseconds").replace("+00:00", "Z")
@@ -129,21 +107,24 @@ def _arguments(text: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class _Done:
+    reason: str
+    stats: dict[str, int]
+
+
+@dataclass(frozen=True)
 class _Shape:
     """Ollama's chunks: /api/chat's carry a `message`, /api/generate's a `response`."""
 
     model: str
     chat: bool
 
-    def event(self, event: _Delta | _Done) -> dict[str, Any]:
-        return self.chunk(event) if isinstance(event, _Delta) else self.chunk(_Delta(), event)
-
-    def chunk(self, delta: _Delta, done: _Done | None = None) -> dict[str, Any]:
+    def chunk(self, delta: Delta, done: _Done | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": rfc3339(time.time())}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": delta.content}
-            if delta.thinking:
-                message["thinking"] = delta.thinking
+            if delta.reasoning:
+                message["thinking"] = delta.reasoning
             if delta.calls:
                 message["tool_calls"] = [
                     {"function": {"name": c.name, "arguments": _arguments(c.arguments)}}
@@ -152,8 +133,8 @@ class _Shape:
             out["message"] = message
         else:
             out["response"] = delta.content
-            if delta.thinking:
-                out["thinking"] = delta.thinking
+            if delta.reasoning:
+                out["thinking"] = delta.reasoning
         out["done"] = done is not None
         if done is not None:
             out["done_reason"] = done.reason
@@ -161,66 +142,52 @@ class _Shape:
         return out
 
 
-def _check(out: RequestOutput) -> str:
-    """Ollama's done_reason of a finished output; a failed one raises."""
-    if out.finish_reason is FinishReason.ERROR:
-        raise out.error or EngineError("the engine failed the request")
-    if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        return out.finish_reason.value
-    raise EngineError("the request was aborted")
-
-
 @dataclass
 class _Answer:
-    """How one request is answered: chunks of this shape, streamed or whole, with or without
-    the thinking, timed by its clock."""
+    """How one request is answered (a `generation.Answer`): chunks of this shape, streamed
+    as NDJSON or sent whole, with or without the thinking, timed by its clock."""
 
     shape: _Shape
     stream: bool
     think: bool
     clock: _Clock
+    media_type: str = NDJSON
 
+    def on_output(self, out: RequestOutput) -> None:
+        self.clock.first = self.clock.first or time.perf_counter_ns()
 
-async def _events(
-    stream: RequestStream, prepared: Prepared, answer: _Answer
-) -> AsyncIterator[_Delta | _Done]:
-    """Deltas with tool calls parsed out, then one _Done; raises if the engine fails."""
-    fmt = prepared.kind.tool_format
-    parser = fmt.stream_parser() if fmt is not None else None
-    clock = answer.clock
-    async for out in stream:
-        clock.first = clock.first or time.perf_counter_ns()
-        reason = _check(out) if out.finished else ""
-        delta = _Delta(out.content, out.reasoning if answer.think else "")
-        if parser is not None:
-            parsed = parser.feed(out.content)
-            tail = parser.finish() if out.finished else StreamDelta()
-            delta.content, delta.calls = parsed.content + tail.content, parsed.calls + tail.calls
-        if delta.content or delta.thinking or delta.calls:
-            yield delta
-        if out.finished:
-            yield _Done(reason, clock.stats(out))
-            return
+    def begin(self, prepared: Prepared) -> None:
+        self.clock.submitted = time.perf_counter_ns()
 
+    def _done(self, finish: Finish) -> _Done:
+        return _Done(finish.reason, self.clock.stats(finish.output))
 
-async def _whole(events: AsyncIterator[_Delta | _Done], shape: _Shape) -> dict[str, Any]:
-    total = _Delta()
-    async for event in events:
-        if isinstance(event, _Done):
-            return shape.chunk(total, event)
-        total.content += event.content
-        total.thinking += event.thinking
-        total.calls += event.calls
-    raise EngineError("the engine closed a request without a result")
+    def _seen(self, delta: Delta) -> Delta:
+        return delta if self.think else Delta(delta.content, "", delta.calls)
 
+    async def lines(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        """One JSON line per event; a failure ends the lines with an error line."""
+        try:
+            async for event in events:
+                if isinstance(event, Finish):
+                    yield ndjson_line(self.shape.chunk(Delta(), self._done(event)))
+                elif (delta := self._seen(event)).content or delta.reasoning or delta.calls:
+                    yield ndjson_line(self.shape.chunk(delta))
+        except FerrumError as exc:
+            yield _error_line(exc)
 
-async def _lines(events: AsyncIterator[_Delta | _Done], shape: _Shape) -> AsyncIterator[str]:
-    """One JSON line per event; a failure ends the lines with an error line."""
-    try:
+    async def whole(self, events: AsyncIterator[Event]) -> Response:
+        total = Delta()
         async for event in events:
-            yield ndjson_line(shape.event(event))
-    except FerrumError as exc:
-        yield _error_line(exc)
+            if isinstance(event, Finish):
+                return JSONResponse(self.shape.chunk(self._seen(total), self._done(event)))
+            total.content += event.content
+            total.reasoning += event.reasoning
+            total.calls += event.calls
+        raise EngineError("the engine closed a request without a result")
+
+    def timeout_lines(self, err: RequestTimeout) -> list[str]:
+        return [_error_line(err)]
 
 
 async def _serve(
@@ -231,35 +198,11 @@ async def _serve(
     prepare_fn: Callable[[ServedModel, B], Prepared],
     answer: _Answer,
 ) -> Response:
-    """Prepares, submits and answers on the leased model; the lease is released when the
-    answer is sent or the request fails, however that happens (see `serving.complete`)."""
+    """`generation.serve`, with errors in a translated body named as the client wrote them."""
     try:
-        model = lease.model
-        body = with_defaults(model, body)
-        prepared = await prepare(prepare_fn, model, body)
-        answer.clock.submitted = time.perf_counter_ns()
-        sub = submit(state, model, body, prepared)
-    except BaseException as exc:
-        lease.release()
-        if isinstance(exc, InvalidRequest):
-            raise renamed(exc) from None
-        raise
-    events = _events(sub.streams[0], prepared, answer)
-    limit = deadline(state, body)
-    if answer.stream:
-
-        def close() -> None:
-            sub.abort_all()
-            lease.release()
-
-        lines = _lines(events, answer.shape)
-        guarded = guard_stream(lines, limit, sub.abort_all, lambda err: [_error_line(err)])
-        return HeldStream(guarded, close, media_type=NDJSON)
-    try:
-        return JSONResponse(await unless_gone(http, _whole(events, answer.shape), limit))
-    finally:
-        sub.abort_all()
-        lease.release()
+        return await serve(state, http, lease, body, prepare_fn, answer)
+    except InvalidRequest as exc:
+        raise renamed(exc) from None
 
 
 async def _load_or_unload(
@@ -276,7 +219,7 @@ async def _load_or_unload(
     else:
         (await state.models.acquire(spec.name, seconds)).release()
         reason = "load"
-    return JSONResponse(_Shape(spec.name, chat).chunk(_Delta(), _Done(reason, {})))
+    return JSONResponse(_Shape(spec.name, chat).chunk(Delta(), _Done(reason, {})))
 
 
 async def _leased(
