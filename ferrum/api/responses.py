@@ -74,7 +74,14 @@ class CompletionKind:
         calls: list[ToolCall] = []
         if self.tool_format is not None:
             content, calls = self.tool_format.parse(content)
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        # refusal is required (nullable) and annotations expected by conformance clients: a
+        # local model never refuses through the API, nor annotates.
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content or None,
+            "refusal": None,
+            "annotations": [],
+        }
         if calls:
             message["tool_calls"] = [_call(c) for c in calls]
             finish_reason = "tool_calls"

@@ -40,6 +40,8 @@ def test_chat_completion_shape(client):
     assert body["object"] == "chat.completion" and body["model"] == "fake"
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant" and len(choice["message"]["content"]) == 4
+    # Required by OpenAI's schema (refusal nullable), checked by conformance clients.
+    assert choice["message"]["refusal"] is None and choice["message"]["annotations"] == []
     assert choice["finish_reason"] == "length"
     u = body["usage"]
     assert u["completion_tokens"] == 4 and u["total_tokens"] == u["prompt_tokens"] + 4
