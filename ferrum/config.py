@@ -144,6 +144,14 @@ class ServerConfig:
     log_level: str = field(
         default="info", metadata=_flag("--log-level", help="debug, info, warning or error")
     )
+    responses_store: str = field(
+        default="64MiB",
+        metadata=_flag(
+            "--responses-store",
+            help="memory for stored Responses API responses (previous_response_id, GET), "
+            "least recently used out first; 0 or off: none are kept",
+        ),
+    )
 
 
 @dataclass(frozen=True)

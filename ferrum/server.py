@@ -27,7 +27,7 @@ from ferrum.models.memory import estimate_bytes, memory_budget
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
-from ferrum.models.units import parse_duration
+from ferrum.models.units import parse_duration, parse_size
 
 log = logging.getLogger("ferrum")
 
@@ -177,6 +177,7 @@ def build_server(
         public_metrics=server_cfg.public_metrics,
         request_timeout=server_cfg.request_timeout,
         split_think=not server_cfg.reasoning_inline,
+        responses_store_bytes=_store_bytes(server_cfg.responses_store),
     )
     names = ", ".join(s.name for s in specs)
     summary = (
@@ -185,3 +186,8 @@ def build_server(
         f"threads={engine_cfg.resolved_threads()} on http://{server_cfg.host}:{server_cfg.port}"
     )
     return create_app(state), summary
+
+
+def _store_bytes(size: str) -> int:
+    """--responses-store as bytes: a size, or 0 / off for none."""
+    return 0 if size.strip().lower() in ("0", "off", "none") else parse_size(size)

@@ -7,6 +7,7 @@ validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -30,6 +31,7 @@ from ferrum.api.protocol import (
     TokenizeRequest,
     invalid_request,
 )
+from ferrum.api.responses_api import add_responses_routes
 from ferrum.api.serving import (
     ServerState,
     acquire,
@@ -253,6 +255,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             lease.release()
         return {"content": data.decode("utf-8", "replace")}
 
+    add_responses_routes(functools.partial(_route, app), state)
     add_ollama_routes(app, state)
 
 

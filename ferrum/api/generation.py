@@ -50,6 +50,7 @@ class Delta:
     content: str = ""
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    tokens: int = 0  # tokens generated since the last delta (usage's reasoning tokens)
 
 
 @dataclass(frozen=True)
@@ -74,17 +75,20 @@ async def deltas(
     then one Finish; a failed or aborted request raises its error instead."""
     parser = tool_format.stream_parser() if tool_format is not None else None
     called = False
+    tokens = 0
     async for out in stream:
         on_output(out)
         if out.finished and (err := failure(out)) is not None:
             raise err
-        delta = Delta(out.content, out.reasoning)
+        tokens += len(out.token_ids)
+        delta = Delta(out.content, out.reasoning, tokens=tokens)
         if parser is not None:
             parsed = parser.feed(out.content)
             tail = parser.finish() if out.finished else StreamDelta()
             delta.content, delta.calls = parsed.content + tail.content, parsed.calls + tail.calls
             called = called or bool(delta.calls)
         if delta.content or delta.reasoning or delta.calls:
+            tokens = 0
             yield delta
         if out.finished:
             if out.finish_reason is None:

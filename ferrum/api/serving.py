@@ -48,6 +48,7 @@ class ServerState:
     public_metrics: bool = False
     split_think: bool = True
     request_timeout: float = 0.0  # --request-timeout; 0: none
+    responses_store_bytes: int = 64 * 1024 * 1024  # --responses-store; 0: responses not kept
     created: int = 0
 
 

@@ -1,0 +1,98 @@
+"""OpenAI's Responses API (`/v1/responses`): a response body translated into a chat
+completion (`bodies.py`), served by the shared path (`generation.py`) and answered as a
+response object or its event stream (`answers.py`); finished responses are kept for
+`previous_response_id` and `GET /v1/responses/{id}` (`store.py`, bounded by
+`--responses-store`).
+
+A continuation's prompt is the stored conversation plus the new input, rendered by the same
+template, so its start is the previous turn's prompt and output token for token: the
+engine's prefix index finds that KV still parked and prefills only the new input (reported
+in `usage.input_tokens_details.cached_tokens`).
+
+Errors are OpenAI's (the app's handlers), with parameters named as the Responses client
+wrote them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ferrum.api.generation import serve
+from ferrum.api.responses_api.answers import ResponsesAnswer, new_id
+from ferrum.api.responses_api.bodies import (
+    Reasoning,
+    ResponsesRequest,
+    chat_request,
+    input_messages,
+    renamed,
+)
+from ferrum.api.responses_api.store import ResponseStore
+from ferrum.api.serving import ServerState, acquire_chat, prepare_chat
+from ferrum.errors import InvalidRequest, NotFound
+
+__all__ = ["add_responses_routes"]
+
+Handler = Callable[..., Awaitable[Any]]
+Route = Callable[[str, str], Callable[[Handler], Handler]]
+
+
+def _shell(body: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:
+    """The response object without its outcome: ids and the request's settings echoed."""
+    text_format = body.format_dict() or {"type": "text"}
+    return {
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": (body.reasoning or Reasoning()).model_dump(include={"effort", "summary"}),
+        "store": store,
+        "temperature": body.temperature,
+        "text": {"format": text_format},
+        "tool_choice": body.tool_choice or "auto",
+        "tools": body.tools or [],
+        "top_p": body.top_p,
+        "truncation": body.truncation or "disabled",
+        "usage": None,
+        "user": body.user,
+    }
+
+
+def add_responses_routes(route: Route, state: ServerState) -> None:
+    store = ResponseStore(state.responses_store_bytes)
+
+    @route("POST", "/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        body.check()
+        history = store.conversation(body.previous_response_id) if body.previous_response_id else []
+        turn = input_messages(body, history)
+        chat = chat_request(body, history + turn)
+        lease = await acquire_chat(state, body.model, body.keep_alive)
+        answer = ResponsesAnswer(_shell(body, lease.name, body.store and store.enabled),
+                                 body.stream, store, turn)  # fmt: skip
+        try:
+            return await serve(state, request, lease, chat, prepare_chat, answer)
+        except InvalidRequest as exc:
+            raise renamed(exc) from None
+
+    @route("GET", "/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return store.get(response_id).response
+
+    @route("DELETE", "/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise NotFound(f"no stored response {response_id!r}", param="response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,93 @@
+"""Stored responses, for `previous_response_id` and `GET /v1/responses/{id}`: bounded in
+bytes and count, least recently used first out.
+
+Each entry keeps its response object and only its own turn of the conversation (its input
+as chat messages and its output as the assistant's message), with its parent's id; a
+conversation is read back by walking the parents, which touches each of them, so the
+history of a conversation in use is never the first to go. A continuation whose history
+has been evicted in part is refused (404) rather than answered without it.
+
+The store lives on the event loop: no locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ferrum.api.responses_api.bodies import Messages, size_of
+from ferrum.errors import NotFound
+
+MAX_ENTRIES = 10_000
+
+
+@dataclass(frozen=True)
+class Stored:
+    response: dict[str, Any]
+    messages: Messages  # this turn: its input, then the assistant's output
+    parent: str | None
+    size: int
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES):
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self.bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0 and self.max_entries > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict[str, Any], messages: Messages, parent: str | None) -> None:
+        if not self.enabled:
+            return
+        entry = Stored(response, messages, parent, size_of(response) + size_of(messages))
+        if entry.size > self.max_bytes:
+            return  # larger than the whole store: keeping it would evict everything else
+        self.delete(response["id"])
+        self._entries[response["id"]] = entry
+        self.bytes += entry.size
+        while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
+            _, oldest = self._entries.popitem(last=False)
+            self.bytes -= oldest.size
+
+    def get(self, response_id: str) -> Stored:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise NotFound(
+                f"no stored response {response_id!r}: it was never stored (store: false), "
+                "was deleted, or was evicted from the store (--responses-store)",
+                param="response_id",
+            )
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry is not None
+
+    def conversation(self, response_id: str, param: str = "previous_response_id") -> Messages:
+        """The chat messages of the conversation through `response_id`, oldest first."""
+        turns: list[Messages] = []
+        at: str | None = response_id
+        seen: set[str] = set()
+        while at is not None and at not in seen:
+            seen.add(at)
+            try:
+                entry = self.get(at)
+            except NotFound:
+                what = "" if at == response_id else f" (its history, {at!r}, was evicted)"
+                raise NotFound(
+                    f"{param}: no stored response {response_id!r}{what}", param=param
+                ) from None
+            turns.append(entry.messages)
+            at = entry.parent
+        return [m for turn in reversed(turns) for m in turn]
