@@ -241,3 +241,52 @@ def test_bad_input_leaves_nothing_in_the_store(http):
     assert http.get(f"/v1/responses/{ok['id']}").status_code == 200
     assert http.get("/v1/responses/resp_nope").status_code == 404
     assert http.delete("/v1/responses/resp_nope").status_code == 404
+
+
+def test_thinking_comes_back_as_a_reasoning_item_whole_and_streamed():
+    with TestClient(fake_app(FakeRunner(next_token=scripted("<think>Hmm.</think>Yes.")))) as http:
+        client = _sdk(http)
+        kw = {
+            "model": "fake",
+            "input": "?",
+            "max_output_tokens": 50,
+            "reasoning": {"effort": "low"},
+        }
+        r = client.responses.create(**kw)
+        with client.responses.stream(**kw) as stream:
+            kinds = [e.type for e in stream]
+            streamed = stream.get_final_response()
+        follow = client.responses.create(model="fake", previous_response_id=r.id, input="ok")
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Hmm."
+    assert message.type == "message" and r.output_text == "Yes."
+    assert r.reasoning.effort == "low"
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    assert [o.type for o in streamed.output] == ["reasoning", "message"]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert follow.status == "completed"
+
+
+def test_reasoning_items_in_the_input_reach_the_template_as_the_turns_reasoning():
+    seen = []
+
+    def next_token(cells):
+        seen.append(bytes(t for t in cells if t < 256).decode())
+        return 257  # EOS
+
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "sunny"}]},
+    ]  # fmt: skip
+    with TestClient(fake_app(FakeRunner(next_token=next_token))) as http:
+        r = http.post("/v1/responses", json={"input": items, "tools": [TOOL]})
+    assert r.status_code == 200, r.text
+    prompt = seen[-1]
+    assert '"name": "get_weather"' in prompt and "sunny" in prompt
+    asked = prompt.index("Weather?")  # the tools' listing in the system turn comes before
+    assert asked < prompt.index('"name": "get_weather"', asked) < prompt.index("sunny")

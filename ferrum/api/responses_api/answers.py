@@ -69,7 +69,9 @@ class _Items:
     def feed(self, delta: Delta) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         if delta.reasoning:
-            self.reasoning_tokens += delta.tokens if not delta.content else 0
+            # The delta's tokens by their share of its text: outputs can arrive merged.
+            share = len(delta.reasoning) / (len(delta.reasoning) + len(delta.content))
+            self.reasoning_tokens += round(delta.tokens * share)
             events += self._write(delta.reasoning, reasoning=True)
         if delta.content:
             events += self._write(delta.content, reasoning=False)
