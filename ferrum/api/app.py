@@ -1,7 +1,10 @@
-"""The HTTP API: OpenAI-compatible routes over the AsyncEngine.
+"""The HTTP API: OpenAI-compatible routes over the AsyncEngine, beside the Ollama and
+Anthropic dialects.
 
 Every route also answers without its `/v1` prefix. Every error, including FastAPI's own
-validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status.
+validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status, except on
+the Anthropic Messages paths, where it takes Anthropic's shape (the Ollama routes shape their
+own).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
+from ferrum.api.anthropic import error_response as anthropic_error
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama import add_ollama_routes
@@ -82,7 +87,9 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _error_response(exc: FerrumError) -> JSONResponse:
+def _error_response(exc: FerrumError, path: str) -> JSONResponse:
+    if speaks_anthropic(path):
+        return anthropic_error(exc)
     headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
@@ -92,30 +99,35 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _ferrum(request: Request, exc: FerrumError) -> JSONResponse:
         if isinstance(exc, ClientGone):
             log.info("%s %s: %s", request.method, request.url.path, exc.message)
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(invalid_request(exc.errors()))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(invalid_request(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return _error_response(NotFound("no such route"))
+            return _error_response(NotFound("no such route"), request.url.path)
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
-        return _error_response(err)
+        return _error_response(err, request.url.path)
 
 
 def _check_api_key(state: ServerState, request: Request) -> None:
     path = request.url.path
     if not state.api_keys or path == "/health" or (path == "/metrics" and state.public_metrics):
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    # compare_digest against every key: the time taken does not say which key came close.
-    ok = scheme.lower() == "bearer" and any(
-        hmac.compare_digest(key.strip().encode(), k.encode()) for k in state.api_keys
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    # A bearer token (OpenAI's clients) or x-api-key (Anthropic's); compare_digest against
+    # every key: the time taken does not say which key came close.
+    given = [bearer.strip() if scheme.lower() == "bearer" else None]
+    given.append(request.headers.get("x-api-key"))
+    ok = any(
+        hmac.compare_digest(key.encode(), k.encode())
+        for key in given
+        if key is not None
+        for k in state.api_keys
     )
     if not ok:
         raise AuthenticationError("invalid or missing API key")
@@ -145,7 +157,7 @@ class _Gate:
                 _check_api_key(self.state, request)
                 _check_body_size(request)
             except FerrumError as exc:
-                await _error_response(exc)(scope, receive, send)
+                await _error_response(exc, request.url.path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -257,6 +269,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     add_responses_routes(functools.partial(_route, app), state)
     add_ollama_routes(app, state)
+    add_anthropic_routes(app, state)
 
 
 def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
