@@ -183,6 +183,8 @@ def test_arguments_that_are_not_an_object_are_an_empty_input():
     ("thinking", "shown"),
     [
         ({"type": "enabled", "budget_tokens": 1024}, True),
+        ({"type": "adaptive"}, True),
+        ({"type": "adaptive", "display": "omitted"}, False),
         ({"type": "disabled"}, False),
         (None, False),
     ],
@@ -304,6 +306,28 @@ def test_sampling_fields_and_tool_choice_reach_the_engine():
     assert (forced.temperature, forced.top_p, forced.top_k) == (0.5, 0.9, 7)
     assert (forced.stop, forced.max_tokens) == (("zz",), 9)
     assert forced.grammar is not None and free.grammar is None
+
+
+def test_an_output_format_is_a_schema_grammar():
+    runner = FakeRunner()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    output = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+    with TestClient(fake_app(runner)) as client:
+        r = client.post("/v1/messages", json=_body(output_config=output))
+        assert r.status_code == 200, r.text
+        assert runner.closed_samplers[-1].params.grammar is not None
+        bad = {"format": {"type": "json_schema", "schema": {"type": "integer", "minimum": 3}}}
+        says = _refused(
+            client.post("/v1/messages", json=_body(output_config=bad)), 400, "invalid_request_error"
+        )
+        assert says.startswith("output_config.format.schema") and "minimum" in says
+        forced = _body(
+            output_config=output,
+            tools=[WEATHER],
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )
+        says = _refused(client.post("/v1/messages", json=forced), 400, "invalid_request_error")
+        assert "cannot be combined" in says
 
 
 # -- refusals -------------------------------------------------------------------------------

@@ -22,9 +22,13 @@ Rules:
   such as `web_search_20250305` or `bash_20250124`) are refused by name: nothing here runs
   them. `tool_choice` {auto, any, tool, none} is OpenAI's auto, required, the named function
   and none; `disable_parallel_tool_use` is `parallel_tool_calls: false`.
-- `thinking` {enabled} returns the reasoning the engine splits out of `<think>` as thinking
-  blocks; {disabled} or none drops it (as Anthropic answers without thinking by default).
-  `budget_tokens` is accepted and not enforced: the reasoning counts against `max_tokens`.
+- `thinking` {enabled}, {adaptive} or {between_tools} returns the reasoning the engine splits
+  out of `<think>` as thinking blocks; {disabled}, `display: omitted` or no `thinking` drops
+  it (as Anthropic answers without thinking by default). `budget_tokens` is accepted and not
+  enforced: the reasoning counts against `max_tokens`. ferrum cannot tell a template whether
+  to think, so a model may think unseen.
+- `output_config.format` {json_schema, schema} is structured output: a JSON Schema grammar,
+  as `response_format` on the OpenAI routes; `output_config.effort` is accepted and ignored.
 - A final assistant message (Anthropic's prefill) is rendered as a finished turn: the chat
   templates cannot continue it, so the model answers after it.
 - An error in the translated body names its parameter as the Anthropic client wrote it
@@ -123,8 +127,20 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
     budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: str | None = None  # accepted, not honoured: the model thinks as its template says
 
 
 class CountTokensBody(_Body):
@@ -136,10 +152,12 @@ class CountTokensBody(_Body):
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
     @property
     def shows_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.type == "enabled"
+        t = self.thinking
+        return t is not None and t.type != "disabled" and t.display != "omitted"
 
 
 class MessagesBody(CountTokensBody):
@@ -197,6 +215,7 @@ _ANTHROPIC_PARAMS = [
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
     (re.compile(r"\btools\[(\d+)\]\.function"), r"tools[\1]"),
     (re.compile(r"^stop\b"), "stop_sequences"),
+    (re.compile(r"^response_format(\.json_schema)?"), "output_config.format"),
 ]
 
 
@@ -225,6 +244,9 @@ def chat_request(body: CountTokensBody) -> ChatCompletionRequest:
         fields["tools"] = [_function(i, t) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:
         fields.update(_tool_choice(body.tool_choice))
+    if body.output_config is not None and body.output_config.format is not None:
+        schema = body.output_config.format.json_schema
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
