@@ -111,6 +111,12 @@ def _check(engine: EngineConfig, models: ModelsConfig) -> None:
         raise ValueError("--ctx-size must hold at least one block")
     if not 0.0 <= engine.inject_faults <= 1.0:
         raise ValueError("--inject-faults must be between 0 and 1")
+    if engine.spec_type not in ("ngram", "none"):
+        raise ValueError("--spec-type must be ngram or none")
+    if not 1 <= engine.spec_ngram_min <= engine.spec_ngram_max:
+        raise ValueError("--spec-ngram-min must be at least 1 and at most --spec-ngram-max")
+    if engine.spec_draft_max < 0 or engine.spec_batch_max < 0:
+        raise ValueError("--spec-draft-max and --spec-batch-max must be 0 or more")
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig) -> None:

@@ -71,6 +71,34 @@ class EngineConfig:
         default=False,
         metadata=_flag("--no-prefix-cache", help="never reuse resident KV across requests"),
     )
+    spec_type: str = field(
+        default="ngram",
+        metadata=_flag(
+            "--spec-type",
+            help="speculation: ngram (guess each request's next tokens from its own earlier "
+            "tokens and verify them in the same decode; output unchanged) or none",
+        ),
+    )
+    spec_draft_max: int = field(
+        default=8,
+        metadata=_flag("--spec-draft-max", help="most tokens guessed for a request per step"),
+    )
+    spec_ngram_min: int = field(
+        default=2,
+        metadata=_flag("--spec-ngram-min", help="shortest n-gram a guess may follow"),
+    )
+    spec_ngram_max: int = field(
+        default=4,
+        metadata=_flag("--spec-ngram-max", help="longest n-gram tried first"),
+    )
+    spec_batch_max: int = field(
+        default=16,
+        metadata=_flag(
+            "--spec-batch-max",
+            help="most guessed tokens of all requests in one step (many decoding sequences "
+            "share it; past it, extra positions cost more than they save)",
+        ),
+    )
     gpu_layers: int = field(
         default=0,
         metadata=_flag("--gpu-layers", "-ngl", help="layers offloaded to the GPU (CUDA builds)"),

@@ -33,6 +33,7 @@ class Metrics(EngineObserver):
         self._last = StepStats()
         # Plain copies of three counters for /health (prometheus_client has no public getter).
         self._prefix_totals = {"hits": 0, "misses": 0, "saved_tokens": 0}
+        self._spec_totals = {"verifications": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.registry = CollectorRegistry()
         self._add_request_metrics(self.registry)
         self._add_engine_metrics(self.registry)
@@ -100,6 +101,20 @@ class Metrics(EngineObserver):
             "'No KV slot' answers faked by --inject-faults (a testing aid)",
             registry=r,
         )
+        self.spec_verifications = Counter(
+            "ferrum_spec_verifications",
+            "Decodes of a sequence that carried guessed tokens (n-gram speculation)",
+            registry=r,
+        )
+        self.spec_drafted = Counter(
+            "ferrum_spec_draft_tokens", "Guessed tokens verified", registry=r
+        )
+        self.spec_accepted = Counter(
+            "ferrum_spec_accepted_tokens",
+            "Guessed tokens kept (acceptance rate: this over draft tokens; tokens per "
+            "verification: (this + verifications) over verifications)",
+            registry=r,
+        )
 
     def _add_prefix_metrics(self, r: CollectorRegistry) -> None:
         self.prefix_hits = Counter(
@@ -147,6 +162,14 @@ class Metrics(EngineObserver):
             self.decode_failures.inc(stats.decode_failures)
         if stats.faults_injected:
             self.faults_injected.inc(stats.faults_injected)
+        if stats.draft_sequences:
+            self.spec_verifications.inc(stats.draft_sequences)
+            self.spec_drafted.inc(stats.draft_tokens)
+            self.spec_accepted.inc(stats.draft_accepted)
+            spec = self._spec_totals
+            spec["verifications"] += stats.draft_sequences
+            spec["draft_tokens"] += stats.draft_tokens
+            spec["accepted_tokens"] += stats.draft_accepted
         for t in stats.ttfts:
             self.ttft.observe(t)
         for t in stats.inter_token_latencies:
@@ -191,6 +214,7 @@ class Metrics(EngineObserver):
                 "window_fallbacks": last.window_fallbacks_total,
                 **self._prefix_totals,
             },
+            "speculation": dict(self._spec_totals),
         }
 
     def render(self) -> bytes:

@@ -18,6 +18,7 @@ from ferrum.engine.embedding import EmbeddingEngine
 from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.speculation import SpecConfig
 from ferrum.errors import ModelLoadError
 from ferrum.metrics import ServerMetrics
 from ferrum.models.catalog import serve_specs
@@ -107,6 +108,7 @@ class _Loader:
             observer=metrics,
             max_running=cfg.parallel,
             prefix_cache=not cfg.no_prefix_cache,
+            speculation=SpecConfig.from_engine_config(cfg),
         )
         sampling = dict(spec.preset.sampling)
         max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))

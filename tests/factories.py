@@ -161,13 +161,35 @@ class FakeRunner:
                 sampler = self.samplers.get(item.sample_for)
                 if sampler is None:
                     raise AssertionError(f"sampling for {item.sample_for}, which has no sampler")
-                token = result.sampled[idx] = self.next_token(cells)
-                k = sampler.params.logprobs
-                if k is not None:
-                    # A made-up distribution: the sampled token first, then the next ids.
-                    top = tuple(((token + j) % N_VOCAB, -0.5 - j) for j in range(k))
-                    result.logprobs[idx] = TokenLogprobs(token, -0.5, top)
+                self._verify(item, cells, sampler, idx, result)
         return result
+
+    def _verify(self, item, cells: list[int], sampler, idx: int, result: StepResult) -> None:
+        """As the llama runner: a token at the last real position, then at each guess while
+        the pick equals it; the cells of guesses not taken are removed."""
+        real = len(cells) - item.draft
+        guesses = item.tokens[len(item.tokens) - item.draft :]
+        tokens, logprobs = [], []
+        for j in range(item.draft + 1):
+            token = self.next_token(cells[: real + j])
+            tokens.append(token)
+            k = sampler.params.logprobs
+            if k is not None:
+                # A made-up distribution: the sampled token first, then the next ids.
+                top = tuple(((token + i) % N_VOCAB, -0.5 - i) for i in range(k))
+                logprobs.append(TokenLogprobs(token, -0.5, top))
+            if j == item.draft or token != guesses[j]:
+                break
+        result.sampled[idx] = tokens
+        if logprobs:
+            result.logprobs[idx] = logprobs
+        del cells[real + len(tokens) - 1 :]
+
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        cells = self.kv.get(seq_id, [])
+        if len(cells) < length:
+            raise AssertionError(f"trim of seq {seq_id} to {length}: only {len(cells)} held")
+        del cells[length:]
 
 
 def fake_engine(
@@ -204,7 +226,12 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, d
 
 @contextmanager
 def llama_engine(
-    path: str, prefix_cache: bool = True, ctx: int = 2048, parallel: int = 4, batch: int = 64
+    path: str,
+    prefix_cache: bool = True,
+    ctx: int = 2048,
+    parallel: int = 4,
+    batch: int = 64,
+    speculation=None,
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp, closed afterwards."""
     from ferrum.config import EngineConfig
@@ -219,7 +246,8 @@ def llama_engine(
     )
     runner = LlamaRunner(cfg, path)
     try:
-        yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache)
+        yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache,
+                        speculation=speculation)  # fmt: skip
     finally:
         runner.close()
 

@@ -178,6 +178,9 @@ class _SamplingBody(_Body):
     # Extensions (vLLM's names): tokens that end the output, and a floor on its length.
     stop_token_ids: StopTokenIds | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    # Extension: n-gram speculation for this request (None: the server's --spec-type). The
+    # output is the same either way; false saves the guessing where it cannot pay.
+    speculate: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -241,6 +244,7 @@ class _SamplingBody(_Body):
             logit_bias=self._logit_bias(n_vocab),
             logprobs=self.num_logprobs(),
             grammar=grammar,
+            speculate=self.speculate,
         )
 
 

@@ -24,12 +24,17 @@ from ferrum.engine.request import SamplingParams
 @dataclass(slots=True)
 class BatchItem:
     """Tokens of one sequence for one step; `sample_for` names the request whose sampler
-    picks a token from the last position's logits (None: no token is sampled)."""
+    picks a token from the last position's logits (None: no token is sampled).
+
+    With a draft, the last `draft` tokens are guesses (`speculation.py`): the sampler picks
+    at the last real token and at each guess in order while its pick equals the next guess;
+    the positions of guesses it did not take are removed from the sequence."""
 
     seq_id: int
     tokens: Sequence[int]
     start_pos: int
     sample_for: str | None = None
+    draft: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +48,11 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    sampled: dict[int, int] = field(default_factory=dict)  # item index → token
+    # item index → the tokens sampled: one, or the accepted guesses and the next token.
+    sampled: dict[int, list[int]] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)  # item index → reason
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # item index → logprobs
+    # item index → logprobs of each sampled token
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     decode_calls: int = 0
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
 
@@ -97,6 +104,10 @@ class KvOps(Protocol):
     def clear_sequence(self, seq_id: int) -> None: ...
 
     def copy_sequence(self, src: int, dst: int, length: int) -> None: ...
+
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        """Keeps only positions [0, length) of seq_id (attention KV only)."""
+        ...
 
     def holds_window(self, seq_id: int, length: int) -> bool:
         """Whether seq_id still holds every position a copy of its first `length` needs to

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrum.engine.batch import BatchItem, Runner, TokenLogprobs
+from ferrum.engine.batch import BatchItem, ModelInfo, Runner, TokenLogprobs
 from ferrum.engine.kv import BlockManager, IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
 from ferrum.engine.request import FinishReason, Request, SamplingParams
-from ferrum.engine.scheduler import Scheduler, SchedulerOutput
+from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
 from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 
@@ -32,6 +34,9 @@ class _RequestState:
     text: TextPipeline
     pending: RequestOutput
     logprobs: LogprobTracker | None = None
+    # Positions the sequence holds in llama.cpp while a verified draft is being consumed
+    # (0 otherwise): a finish inside the run trims the ones past the finish.
+    kv_end: int = 0
 
 
 class LLMEngine:
@@ -42,6 +47,8 @@ class LLMEngine:
         observer: EngineObserver | None = None,
         max_running: int | None = None,
         prefix_cache: bool = True,
+        speculation: SpecConfig | None = None,
+        drafter: Callable[[SpecConfig], Drafter] | None = None,
     ):
         info = runner.info
         self.runner = runner
@@ -52,12 +59,29 @@ class LLMEngine:
         # Recurrent state cannot be shared between sequences; only attention KV cells can.
         share = not (info.is_recurrent or info.is_hybrid)
         self.kv_manager = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share)
+        self.speculator = self._speculator(speculation or SpecConfig(kind="none"), info, drafter)
         self.scheduler = Scheduler(
-            self.kv_manager, max_running=max_running or info.n_seq_max, token_budget=info.n_batch
+            self.kv_manager,
+            max_running=max_running or info.n_seq_max,
+            token_budget=info.n_batch,
+            speculator=self.speculator,
         )
         self.observer = observer or EngineObserver()
         self._live: dict[str, _RequestState] = {}
         self._finished_stats: list[FinishedRequest] = []
+
+    @staticmethod
+    def _speculator(
+        config: SpecConfig, info: ModelInfo, drafter: Callable[[SpecConfig], Drafter] | None
+    ) -> Speculator | None:
+        """The speculator, or None when speculation is off or the model cannot roll back."""
+        if not config.enabled:
+            return None
+        if info.is_recurrent or info.is_hybrid or info.n_swa > 0:
+            kind = "a sliding window" if info.n_swa > 0 else "recurrent state"
+            log.info("speculation off: this model has %s, which cannot drop rejected drafts", kind)
+            return None
+        return Speculator(config) if drafter is None else Speculator(config, drafter)
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -135,10 +159,9 @@ class LLMEngine:
         for c in sched.chunks:
             req = c.request
             assert req.seq_id is not None  # scheduled requests hold a sequence
-            tokens = req.all_token_ids[c.start : c.start + c.length]
-            items.append(
-                BatchItem(req.seq_id, tokens, c.start, req.request_id if c.samples else None)
-            )
+            tokens = req.all_token_ids[c.start : c.start + c.length] + list(c.draft)
+            sample_for = req.request_id if c.samples else None
+            items.append(BatchItem(req.seq_id, tokens, c.start, sample_for, len(c.draft)))
         result = self.runner.execute(items)
         stats.decode_retries = max(0, result.decode_calls - 1)
         stats.faults_injected = result.faults_injected
@@ -152,13 +175,41 @@ class LLMEngine:
                 self._finish(live, FinishReason.ERROR, error=failure)
                 touched.append(live)
                 continue
-            self.scheduler.computed(c)
             if c.start < req.num_prompt_tokens:
                 stats.prompt_tokens_computed += min(c.length, req.num_prompt_tokens - c.start)
-            if i in result.sampled:
-                token = result.sampled[i]
-                self._on_token(live, token, result.logprobs.get(i), now, stats)
+            tokens = result.sampled.get(i, [])
+            self._consume(live, c, tokens, result.logprobs.get(i), now, stats)
+            if tokens:
                 touched.append(live)
+
+    def _consume(
+        self,
+        live: _RequestState,
+        c: ScheduledChunk,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs] | None,
+        now: float,
+        stats: StepStats,
+    ) -> None:
+        """Progress and output from one chunk's result: its sampled tokens, the accepted
+        draft tokens first. Each token is taken as if it had been decoded alone: a finish
+        (end of generation, a stop string, max_tokens) inside the run ends it there."""
+        req = live.request
+        accepted = max(0, len(tokens) - 1)
+        if c.draft and self.speculator is not None:
+            self.speculator.verified(req, len(c.draft), accepted)
+            stats.draft_sequences += 1
+            stats.draft_tokens += len(c.draft)
+            stats.draft_accepted += accepted
+        live.kv_end = c.start + c.length + accepted
+        if not tokens:
+            self.scheduler.computed(c)
+        for j, token in enumerate(tokens):
+            self.scheduler.computed(c, accepted=j)
+            self._on_token(live, token, logprobs[j] if logprobs else None, now, stats)
+            if req.request_id not in self._live:
+                break  # finished
+        live.kv_end = 0
 
     def _ends_output(self, req: Request, token: int) -> bool:
         """End-of-generation (unless ignore_eos, which a grammar overrides) or a stop token."""
@@ -205,8 +256,13 @@ class LLMEngine:
         self, live: _RequestState, reason: FinishReason, error: EngineError | None = None
     ) -> None:
         req = live.request
+        if live.kv_end > req.num_computed_tokens and req.seq_id is not None:
+            # Finished inside an accepted draft: the sequence keeps only what was taken.
+            self.kv_manager.trim(req)
         self.scheduler.finish(req, reason)
         self.runner.finish_request(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req)
         tail = live.text.finish()
         out = live.pending
         out.content += tail.content

@@ -208,6 +208,11 @@ class KVManager:
                 return False
         return True
 
+    def trim(self, req: Request) -> None:
+        """Drops req's cells past its computed positions (draft tokens it did not keep)."""
+        if req.seq_id is not None:
+            self.ops.trim_sequence(req.seq_id, req.num_computed_tokens)
+
     def on_tokens_appended(self, req: Request) -> None:
         if self.prefix_cache:
             self.index.extend(req)

@@ -59,6 +59,9 @@ class StepStats:
     decode_failures: int = 0
     decode_retries: int = 0  # extra llama_decode calls after "no KV slot" split a batch
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults (testing aid)
+    draft_sequences: int = 0  # sequences that carried a guess this step (speculation)
+    draft_tokens: int = 0  # guessed tokens verified this step
+    draft_accepted: int = 0  # of those, the ones kept
     step_s: float = 0.0
     kv_usage: float = 0.0
     kv_blocks_total: int = 0

@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -100 or less bans
     logprobs: int | None = None  # None: none; k ≥ 0: the sampled token's and k alternatives
     grammar: str | None = None  # GBNF (root rule "root") the output must match
+    speculate: bool | None = None  # n-gram speculation for this request; None: the server's
 
     @property
     def greedy(self) -> bool:

@@ -174,6 +174,10 @@ class LlamaRunner:
         # Removing a whole sequence never fails, for KV and recurrent memory alike.
         ll.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
 
+    def trim_sequence(self, seq_id: int, length: int) -> None:
+        if not ll.llama_memory_seq_rm(self._mem, seq_id, length, -1):
+            raise RuntimeError(f"llama.cpp refused to trim sequence {seq_id} to {length}")
+
     def copy_sequence(self, src: int, dst: int, length: int) -> None:
         """dst shares src's cells for positions [0, length): metadata only on a unified KV."""
         if self.info.is_recurrent or self.info.is_hybrid:
@@ -222,7 +226,8 @@ class LlamaRunner:
             batch.logits,
         )
         n = 0
-        sample_at: list[tuple[int, int, str]] = []  # (item index, batch index, request id)
+        # (item index, batch index of the last real token, request id)
+        sample_at: list[tuple[int, int, str]] = []
         for i in idx:
             item = items[i]
             seq, p = item.seq_id, item.start_pos
@@ -235,8 +240,9 @@ class LlamaRunner:
                 n += 1
                 p += 1
             if item.sample_for is not None:
-                out[n - 1] = 1
-                sample_at.append((i, n - 1, item.sample_for))
+                for b in range(n - 1 - item.draft, n):
+                    out[b] = 1
+                sample_at.append((i, n - 1 - item.draft, item.sample_for))
         if n > self._n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
         batch.n_tokens = n
@@ -245,11 +251,30 @@ class LlamaRunner:
         if rc != 0:
             return rc
         for i, b, request_id in sample_at:
-            token, logprobs = self._samplers[request_id].sample(self._ctx, b)
-            result.sampled[i] = token
-            if logprobs is not None:
-                result.logprobs[i] = logprobs
+            self._verify(items[i], b, self._samplers[request_id], i, result)
         return 0
+
+    def _verify(
+        self, item: BatchItem, b: int, sampler: Sampler, i: int, result: StepResult
+    ) -> None:
+        """Samples at the last real token and, while each pick equals the next guess, at that
+        guess too; removes the positions of the guesses not taken."""
+        guesses = item.tokens[len(item.tokens) - item.draft :]
+        tokens, logprobs = [], []
+        for j in range(item.draft + 1):
+            token, lp = sampler.sample(self._ctx, b + j)
+            tokens.append(token)
+            if lp is not None:
+                logprobs.append(lp)
+            if j == item.draft or token != guesses[j]:
+                break
+        result.sampled[i] = tokens
+        if logprobs:
+            result.logprobs[i] = logprobs
+        accepted = len(tokens) - 1
+        if accepted < item.draft:
+            kept = item.start_pos + len(item.tokens) - item.draft + accepted
+            self.trim_sequence(item.seq_id, kept)
 
     def close(self) -> None:
         for request_id in list(self._samplers):

@@ -16,6 +16,10 @@ request is preempted: its blocks and sequence id are released and it returns to 
 queue, to be recomputed later with its output kept. The oldest request therefore always
 progresses, and nothing is ever asked of llama.cpp that the ledger has not granted.
 
+Speculation (`speculation.py`): a decode may carry a draft after its token, within the step's
+budget and `batch_max`, on blocks that are free without evicting anything; the engine moves
+progress past the draft tokens the runner accepted (`computed`).
+
 Admission is FIFO, with one exception: a request whose prefix is being computed right now by a
 running donor steps aside (without blocking those behind it) until the donor is done with it.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from ferrum.engine.kv import IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
+from ferrum.engine.speculation import Speculator
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class ScheduledChunk:
     request: Request
     start: int
     length: int
+    draft: tuple[int, ...] = ()  # tokens guessed to follow, verified in the same decode
 
     @property
     def samples(self) -> bool:
@@ -51,14 +57,22 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
+        return sum(c.length + len(c.draft) for c in self.chunks)
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running: int, token_budget: int, watermark: float = 0.01):
+    def __init__(
+        self,
+        kv: KVManager,
+        max_running: int,
+        token_budget: int,
+        watermark: float = 0.01,
+        speculator: Speculator | None = None,
+    ):
         if max_running <= 0 or token_budget <= 0:
             raise ValueError("max_running and token_budget must be positive")
         self.kv = kv
+        self.speculator = speculator
         self.blocks = kv.blocks
         self.max_running = max_running
         self.token_budget = token_budget
@@ -82,9 +96,10 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def computed(self, chunk: ScheduledChunk) -> None:
-        """The runner computed the chunk's positions: the one place progress moves forward."""
-        chunk.request.num_computed_tokens = chunk.start + chunk.length
+    def computed(self, chunk: ScheduledChunk, accepted: int = 0) -> None:
+        """The runner computed the chunk's positions and the first `accepted` of its draft:
+        the one place progress moves forward."""
+        chunk.request.num_computed_tokens = chunk.start + chunk.length + accepted
 
     def append_token(self, request: Request, token: int) -> None:
         request.append_output(token)
@@ -105,18 +120,30 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
-        for req in list(self.running):
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        spec = self.speculator
+        # Draft tokens per decode this step: batch_max shared by every decoding request.
+        share = spec.config.batch_max // max(1, len(decoding)) if spec else 0
+        for req in decoding:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue
             if not self._grow_or_preempt(req, out):
                 continue  # req itself was preempted
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
-            budget -= 1
+            draft = self._draft(req, min(share, budget - 1))
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, draft))
+            budget -= 1 + len(draft)
         return budget
+
+    def _draft(self, req: Request, room: int) -> tuple[int, ...]:
+        """req's draft, on blocks already free: a guess never evicts or preempts anything."""
+        if self.speculator is None or room <= 0:
+            return ()
+        draft = self.speculator.draft(req, room)
+        if draft and not self.blocks.grow(req.page_table, req.num_tokens + len(draft)):
+            return ()
+        return tuple(draft)
 
     def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
         for req in self.running:

@@ -15,6 +15,7 @@ stale, shared-wrong or lost KV (prefix reuse, takeover, preemption, cleared ids)
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -25,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.speculation import SpecConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
 
@@ -261,3 +263,35 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestEngineStateMachine = EngineMachine.TestCase
+
+
+class SpeculatingEngineMachine(EngineMachine):
+    """The same traffic with guesses on every decode (right, wrong at a random position, or
+    half right): the output must still be what the prompt alone gives, token for token, and
+    no rolled-back position may stay in a sequence, be indexed or be parked."""
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        from tests.unit.test_speculation import OracleDrafter
+
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        rng = random.Random(0)
+        engine = LLMEngine(
+            runner, block_size=8, max_running=3,
+            speculation=SpecConfig(draft_max=4, batch_max=8),
+            drafter=lambda _: OracleDrafter(rng, runner.next_token),
+        )  # fmt: skip
+        return runner, engine
+
+    @invariant()
+    def parked_sequences_hold_only_their_tokens(self) -> None:
+        for parked in self.engine.kv_manager.parked:
+            assert len(self.runner.kv[parked.seq_id]) == len(parked.all_token_ids)
+
+
+SpeculatingEngineMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase

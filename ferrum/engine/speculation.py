@@ -1,0 +1,160 @@
+"""N-gram speculation: guessing a request's next tokens from its own tokens, so one decode
+can verify several of them.
+
+Each decoding request may append a draft to its one token: `[last, d1 … dk]` go into the
+same llama_decode, with logits at every position. The runner samples at each position in
+order with the request's own sampler and stops at the first token that differs from the
+draft: the tokens it returns are exactly the tokens decoding one at a time would have
+sampled (greedy: the argmax; sampling: one draw per token from the same distribution and
+RNG, so seeds stay reproducible; a grammar sees only tokens it accepted). The positions of
+rejected draft tokens are removed from the sequence at once (`llama_memory_seq_rm`), and
+only accepted tokens ever enter `all_token_ids`, so the prefix index never sees them.
+
+    tokens      last  d1  d2  d3  d4          draft of 4
+    sampled     t1    t2  t3                   t1 = d1, t2 = d2, t3 ≠ d3: 3 tokens
+    KV kept     last  d1  d2 | d3 d4 removed   the next step decodes t3
+
+The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
+`ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
+it. Lengths adapt per request (`DraftState`): a draft grows by one after a full acceptance,
+shrinks to what was accepted plus one otherwise, and a request whose drafts keep failing
+stops drafting for a while. Across the step, `batch_max` bounds the draft tokens of all
+requests together: with many sequences decoding, the batch is already wide enough that
+extra positions cost more than they save.
+
+Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
+for sliding-window models (the window cache may recycle cells a rollback needs again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ferrum.config import EngineConfig
+from ferrum.engine.request import Request
+
+_FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
+_PAUSE_TOKENS = 32  # tokens generated without drafting after that
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """--spec-type and its bounds."""
+
+    kind: str = "ngram"  # "ngram" or "none"
+    draft_max: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    batch_max: int = 16  # draft tokens of all requests in one step
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none" and self.draft_max > 0
+
+    @classmethod
+    def from_engine_config(cls, cfg: EngineConfig) -> SpecConfig:
+        return cls(cfg.spec_type, cfg.spec_draft_max, cfg.spec_ngram_min, cfg.spec_ngram_max,
+                   cfg.spec_batch_max)  # fmt: skip
+
+
+class Drafter(Protocol):
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that may follow `tokens` (the request's prompt and output)."""
+        ...
+
+
+class NgramDrafter:
+    """Proposes what followed the latest earlier occurrence of the longest suffix n-gram.
+
+    Tables map each n-gram to the position after its latest occurrence; they are extended
+    with the tokens added since the last call, so a step costs what it adds, not the length
+    of the sequence.
+    """
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self._sizes = tuple(range(ngram_max, ngram_min - 1, -1))
+        self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
+        self._indexed = 0  # n-grams ending before this position are in the tables
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        end = len(tokens)
+        self._index(tokens, end - 1)  # every n-gram but the suffix's own
+        found: list[int] = []
+        for n in self._sizes:
+            if end > n:
+                follow = self._tables[n].get(tuple(tokens[end - n : end]))
+                if follow is not None:
+                    found = list(tokens[follow : follow + k])
+                    break
+        self._index(tokens, end)
+        return found
+
+    def _index(self, tokens: Sequence[int], last: int) -> None:
+        """Adds the n-grams ending at positions up to `last` (exclusive ends)."""
+        for stop in range(max(self._indexed, 1), last + 1):
+            for n, table in self._tables.items():
+                if stop >= n:
+                    table[tuple(tokens[stop - n : stop])] = stop
+        self._indexed = max(self._indexed, last + 1)
+
+
+@dataclass
+class DraftState:
+    """One request's drafter and how long its drafts currently are."""
+
+    drafter: Drafter
+    length: int
+    fails: int = 0
+    paused_until: int = 0  # output length before which it does not draft
+
+    def update(self, drafted: int, accepted: int, draft_max: int, num_output: int) -> None:
+        if accepted == drafted:
+            self.length = min(draft_max, self.length + 1)
+            self.fails = 0
+            return
+        self.length = max(1, accepted + 1)
+        self.fails = 0 if accepted else self.fails + 1
+        if self.fails >= _FAILS_BEFORE_PAUSE:
+            self.fails = 0
+            self.paused_until = num_output + _PAUSE_TOKENS
+
+
+@dataclass
+class Speculator:
+    """Drafts for the scheduler, verification results from the engine, and the totals."""
+
+    config: SpecConfig
+    make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(c.ngram_min, c.ngram_max)
+    drafted: int = 0
+    accepted: int = 0
+    _states: dict[str, DraftState] = field(default_factory=dict)
+
+    def wants(self, req: Request) -> bool:
+        setting = req.params.speculate
+        return self.config.enabled if setting is None else setting and self.config.draft_max > 0
+
+    def draft(self, req: Request, room: int) -> list[int]:
+        """Up to `room` draft tokens for req's next step (none when it should not draft)."""
+        if room <= 0 or not self.wants(req):
+            return []
+        state = self._states.get(req.request_id)
+        if state is None:
+            start = max(1, self.config.draft_max // 2)
+            state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), start)
+        if req.num_output_tokens < state.paused_until:
+            return []
+        # Never draft past max_tokens: those positions could never be kept.
+        left = req.params.max_tokens - req.num_output_tokens - 1
+        return state.drafter.propose(req.all_token_ids, min(room, state.length, left))
+
+    def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        state = self._states.get(req.request_id)
+        if state is not None:
+            state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)
+
+    def forget(self, req: Request) -> None:
+        self._states.pop(req.request_id, None)

@@ -1,0 +1,167 @@
+"""N-gram speculation over the fake model: the drafter and draft lengths on their own, then the
+engine with drafts that are right, wrong or half right, against the oracle of the same engine
+without speculation (token for token, finish reason, logprobs, text)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.speculation import DraftState, NgramDrafter, SpecConfig
+from tests.factories import (
+    EOS,
+    FakeRunner,
+    default_next_token,
+    model_info,
+    run_to_completion,
+    sampling,
+)
+
+
+def test_the_drafter_follows_the_latest_longest_match():
+    d = NgramDrafter(2, 4)
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
+    # "1 2 3" last occurred at 4..6, followed by 8 5 1
+    assert d.propose(tokens, 3) == [8, 5, 1]
+    assert d.propose(tokens + [8], 2) == [5, 1]  # the 4-gram "2 3 8"… wins where it exists
+    assert NgramDrafter(2, 4).propose([1, 2, 3, 4], 3) == []  # no earlier occurrence
+    # The suffix never matches itself, even after tables grew from a longer sequence.
+    d2 = NgramDrafter(2, 2)
+    assert d2.propose([7, 7], 4) == []
+    assert d2.propose([7, 7, 7], 4) == [7]  # "7 7" at 0..1 was followed by one 7
+
+
+def test_draft_lengths_adapt_and_pause_after_failures():
+    state = DraftState(NgramDrafter(2, 3), length=4)
+    state.update(drafted=4, accepted=4, draft_max=8, num_output=10)
+    assert state.length == 5
+    state.update(drafted=5, accepted=1, draft_max=8, num_output=12)
+    assert state.length == 2
+    for _ in range(4):
+        state.update(drafted=2, accepted=0, draft_max=8, num_output=20)
+    assert state.paused_until > 20
+
+
+class OracleDrafter:
+    """Guesses from the fake model itself: the true next tokens, corrupted at a random
+    position (or not at all), so every acceptance length is exercised."""
+
+    def __init__(self, rng: random.Random, next_token=default_next_token):
+        self.rng = rng
+        self.next_token = next_token
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        history, out = list(tokens), []
+        for _ in range(k):
+            history.append(self.next_token(history))
+            out.append(history[-1])
+        wrong = self.rng.randrange(k + 2)  # k or more: all right
+        if wrong < k:
+            out[wrong] = (out[wrong] + 1) % 256
+        return out
+
+
+def _engine(runner: FakeRunner, spec: bool, seed: int = 0) -> LLMEngine:
+    rng = random.Random(seed)
+    config = SpecConfig(draft_max=6, batch_max=12) if spec else None
+    return LLMEngine(
+        runner, block_size=8, max_running=4, speculation=config,
+        drafter=lambda c: OracleDrafter(rng, runner.next_token),
+    )  # fmt: skip
+
+
+def _run(spec: bool, requests: dict, runner_kw: dict | None = None, seed: int = 0) -> dict:
+    """Per request: (tokens, content, finish reason, stop string, logprob tokens)."""
+    runner = FakeRunner(info=model_info(n_ctx=512, n_batch=32, n_seq_max=8), **(runner_kw or {}))
+    engine = _engine(runner, spec, seed)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    got: dict[str, list] = {rid: [[], "", None, None, []] for rid in requests}
+    while engine.has_work:
+        for o in engine.step():
+            r = got[o.request_id]
+            r[0] += o.token_ids
+            r[1] += o.content
+            r[4] += [e.token for e in o.logprobs or ()]
+            if o.finished:
+                r[2], r[3] = o.finish_reason, o.stop_string
+        engine.check_integrity()
+    if spec:
+        assert engine.speculator is not None and engine.speculator.drafted > 0
+    for parked in engine.kv_manager.parked:  # no guess left behind in a parked sequence
+        assert len(runner.kv[parked.seq_id]) == len(parked.all_token_ids)
+    return {rid: tuple(r) for rid, r in got.items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_output_is_the_same_with_and_without_drafts(seed):
+    rng = random.Random(seed)
+    requests = {
+        f"r{i}": ([256, *rng.choices(b"ab c", k=rng.randrange(1, 40))],
+                  sampling(max_tokens=rng.randrange(1, 60)))
+        for i in range(6)
+    }  # fmt: skip
+    assert _run(True, requests, seed=seed) == _run(False, requests)
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_there():
+    prompt = [256, *b"abc"]
+    plain = _run(False, {"r": (prompt, sampling(max_tokens=40))})["r"]
+    text = plain[1]
+    stop = text[10:12]  # a stop string the output reaches in its middle
+    params = sampling(max_tokens=40, stop=(stop,))
+    with_spec = _run(True, {"r": (prompt, params)})["r"]
+    assert with_spec == _run(False, {"r": (prompt, params)})["r"]
+    assert with_spec[3] == stop and with_spec[1] == text[: text.index(stop)]
+
+
+def test_end_of_generation_and_max_tokens_inside_a_run():
+    def ends(cells: Sequence[int]) -> int:
+        return EOS if len(cells) >= 20 else default_next_token(cells)
+
+    kw = {"next_token": ends}
+    requests = {
+        "eos": ([256, *b"ab"], sampling(max_tokens=50)),
+        "cap": ([256, *b"xyz"], sampling(max_tokens=7)),
+        "logprobs": ([256, *b"q"], sampling(max_tokens=12, logprobs=2)),
+    }
+    spec = _run(True, requests, kw)
+    assert spec == _run(False, requests, kw)
+    assert spec["eos"][2].value == "stop" and len(spec["cap"][0]) == 7
+    assert spec["logprobs"][4] == spec["logprobs"][0]  # one entry per token kept
+
+
+def test_a_request_can_turn_speculation_off_and_parked_kv_holds_no_guesses():
+    runner = FakeRunner(info=model_info(n_ctx=512, n_batch=32, n_seq_max=8))
+    engine = _engine(runner, spec=True)
+    engine.add_request("off", [256, *b"abc"], sampling(max_tokens=20, speculate=False))
+    run_to_completion(engine)
+    assert engine.speculator is not None and engine.speculator.drafted == 0
+    engine.add_request("on", [256, *b"abd"], sampling(max_tokens=20, stop=("zz",)))
+    run_to_completion(engine)
+    # Parked sequences hold exactly their tokens' positions: guesses were rolled back.
+    for parked in engine.kv_manager.parked:
+        assert len(runner.kv[parked.seq_id]) == len(parked.all_token_ids)
+
+
+def test_metrics_count_guesses_and_kept_ones():
+    from ferrum.metrics import Metrics
+
+    runner = FakeRunner(info=model_info(n_ctx=512, n_batch=32, n_seq_max=8))
+    metrics = Metrics()
+    rng = random.Random(1)
+    engine = LLMEngine(
+        runner, block_size=8, observer=metrics, speculation=SpecConfig(draft_max=4),
+        drafter=lambda c: OracleDrafter(rng, runner.next_token),
+    )  # fmt: skip
+    engine.add_request("r", [256, *b"abc"], sampling(max_tokens=30))
+    run_to_completion(engine)
+    spec = metrics.snapshot()["speculation"]
+    assert spec["draft_tokens"] == engine.speculator.drafted > spec["accepted_tokens"] > 0
+    assert spec["verifications"] > 0
+    text = metrics.render().decode()
+    assert "ferrum_spec_accepted_tokens_total" in text and "ferrum_spec_draft_tokens_total" in text
