@@ -84,11 +84,11 @@ class EngineConfig:
         metadata=_flag("--spec-draft-max", help="most tokens guessed for a request per step"),
     )
     spec_ngram_min: int = field(
-        default=2,
+        default=3,
         metadata=_flag("--spec-ngram-min", help="shortest n-gram a guess may follow"),
     )
     spec_ngram_max: int = field(
-        default=4,
+        default=12,
         metadata=_flag("--spec-ngram-max", help="longest n-gram tried first"),
     )
     spec_batch_max: int = field(

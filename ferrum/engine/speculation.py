@@ -45,8 +45,8 @@ class SpecConfig:
 
     kind: str = "ngram"  # "ngram" or "none"
     draft_max: int = 8
-    ngram_min: int = 2
-    ngram_max: int = 4
+    ngram_min: int = 3
+    ngram_max: int = 12
     batch_max: int = 16  # draft tokens of all requests in one step
 
     @property

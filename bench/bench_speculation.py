@@ -1,0 +1,140 @@
+"""N-gram speculation, side by side: ferrum with and without it, and llama.cpp's own server
+without speculation and with its n-gram modes, on the default chat model.
+
+Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
+`ferrum serve` (--spec-type ngram, the default) and `--spec-type none`; `llama-server` built
+the way its users build it (bench/build_llama_server.sh: cmake defaults) with `--spec-type
+none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
+
+Workloads, through /v1/completions with the chat template already applied (so every server
+sees the same tokens), greedy, 200 tokens, at 1 and 4 clients (each client sends its
+requests one after another):
+- copy: "rewrite this code" over a 30-line Python passage (bench/data); the model copies
+  most of it, so its output repeats its input.
+- prose: a short story on a topic of its own per request; nothing to copy.
+
+Per round and arm: output tokens per second over all clients. Rounds alternate the arm
+order; round 1 is a warm-up and is dropped; median [min, max] over the rest, and ratios to
+ferrum without speculation per round.
+
+    .venv/bin/python bench/bench_speculation.py [--rounds 4] [--threads 2] [--clients 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from ferrum.bench.arms import llama_cpp_build_dir
+from ferrum.bench.process import ServerProcess, ferrum_command, free_port
+from ferrum.bench.stats import Spread
+from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
+
+MAX_TOKENS = 200
+REQUESTS_PER_CLIENT = 2
+PASSAGE = (Path(__file__).parent / "data" / "speculation_passage.py.txt").read_text()
+TOPICS = ["a lighthouse keeper", "a lost violin", "a city under snow", "a robot gardener",
+          "an old map", "a night train", "a quiet library", "a river festival"]  # fmt: skip
+ARMS = {
+    "ferrum ngram": ("ferrum", []),
+    "ferrum none": ("ferrum", ["--spec-type", "none"]),
+    "llama-server none": ("llama-server", []),
+    "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"]),
+    "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"]),
+}
+
+
+def _chat(user: str, assistant_start: str = "") -> str:
+    return (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+            f"{assistant_start}")  # fmt: skip
+
+
+def _prompt(workload: str, i: int) -> str:
+    if workload == "copy":
+        return _chat(f"Rewrite this code with type hints kept:\n```python\n{PASSAGE}```",
+                     "```python\n")  # fmt: skip
+    return _chat(f"Write a short story about {TOPICS[i % len(TOPICS)]}.")
+
+
+def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
+    kind, extra = ARMS[arm]
+    port = free_port()
+    model = builtin_path(DEFAULT_CHAT_MODEL)
+    if kind == "ferrum":
+        cmd = ferrum_command(port, "--threads", str(threads), "--models-dir", str(folder / "m"),
+                             "--model", f"bench={model}", "--parallel", "8", "--ctx-size",
+                             "8192", *extra)  # fmt: skip
+    else:
+        cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "-np", "8",
+               "-c", "8192", "-t", str(threads), "--port", str(port), *extra]  # fmt: skip
+    server = ServerProcess(cmd, folder / f"{arm.replace(' ', '-')}.log", port)
+    server.wait_ready(server.url, "/health", timeout=300)
+    return server
+
+
+async def _run(url: str, workload: str, clients: int) -> float:
+    """Output tokens per second of `clients` clients, each sending its requests in turn."""
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient, c: int) -> None:
+        nonlocal tokens
+        for r in range(REQUESTS_PER_CLIENT):
+            body = {"model": "bench", "prompt": _prompt(workload, c * REQUESTS_PER_CLIENT + r),
+                    "max_tokens": MAX_TOKENS, "temperature": 0}  # fmt: skip
+            resp = await http.post("/v1/completions", json=body)
+            resp.raise_for_status()
+            tokens += resp.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http, c) for c in range(clients)))
+        return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clients", default="1,4")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--out", default="bench/results/speculation")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = args.arms.split(",")
+    cells = [(w, int(c)) for w in ("copy", "prose") for c in args.clients.split(",")]
+    rounds = []
+    for r in range(args.rounds):
+        row: dict[str, float] = {}
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            server = _server(arm, args.threads, out)
+            try:
+                asyncio.run(_run(server.url, "prose", 1))  # warm: weights paged in
+                for workload, clients in cells:
+                    row[f"{workload} c={clients} {arm}"] = asyncio.run(
+                        _run(server.url, workload, clients))  # fmt: skip
+            finally:
+                server.stop()
+        rounds.append(row)
+        print(f"round {r + 1}: {json.dumps({k: round(v, 1) for k, v in row.items()})}", flush=True)
+    (out / "rounds.json").write_text(json.dumps(rounds, indent=1))
+    kept = rounds[1:] if len(rounds) > 1 else rounds
+    for workload, clients in cells:
+        base = f"{workload} c={clients} ferrum none"
+        for arm in arms:
+            key = f"{workload} c={clients} {arm}"
+            s = Spread.of(row[key] for row in kept)
+            ratio = Spread.of(row[key] / row[base] for row in kept) if base in kept[0] else None
+            line = f"{key}: {s.median:.1f} tok/s [{s.lo:.1f}, {s.hi:.1f}]" if s else f"{key}: n/a"
+            if ratio:
+                line += f"  ×{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}] vs ferrum none"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
