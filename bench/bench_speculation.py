@@ -7,7 +7,8 @@ the way its users build it (bench/build_llama_server.sh: cmake defaults) with `-
 none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
 
 Workloads, through /v1/completions with the chat template already applied (so every server
-sees the same tokens), greedy, 200 tokens, at 1 and 4 clients (each client sends its
+sees the same tokens), greedy without repetition penalty (both servers write the same
+text), 200 tokens, at 1 and 4 clients (each client sends its
 requests one after another):
 - copy: "rewrite this code" over a 30-line Python passage (bench/data); the model copies
   most of it, so its output repeats its input.
@@ -40,6 +41,9 @@ REQUESTS_PER_CLIENT = 2
 PASSAGE = (Path(__file__).parent / "data" / "speculation_passage.py.txt").read_text()
 TOPICS = ["a lighthouse keeper", "a lost violin", "a city under snow", "a robot gardener",
           "an old map", "a night train", "a quiet library", "a river festival"]  # fmt: skip
+# No repetition penalty on either server (ferrum's preset for this model has 1.1, llama-server
+# none): both then write the same greedy text, so tokens per second compare like for like.
+SAME_OUTPUT = {"repetition_penalty": 1.0, "repeat_penalty": 1.0}
 ARMS = {
     "ferrum ngram": ("ferrum", []),
     "ferrum none": ("ferrum", ["--spec-type", "none"]),
@@ -85,7 +89,7 @@ async def _run(url: str, workload: str, clients: int) -> float:
         nonlocal tokens
         for r in range(REQUESTS_PER_CLIENT):
             body = {"model": "bench", "prompt": _prompt(workload, c * REQUESTS_PER_CLIENT + r),
-                    "max_tokens": MAX_TOKENS, "temperature": 0}  # fmt: skip
+                    "max_tokens": MAX_TOKENS, "temperature": 0, **SAME_OUTPUT}  # fmt: skip
             resp = await http.post("/v1/completions", json=body)
             resp.raise_for_status()
             tokens += resp.json()["usage"]["completion_tokens"]

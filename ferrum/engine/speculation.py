@@ -16,8 +16,9 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
 
 The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
 `ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
-it. Lengths adapt per request (`DraftState`): a draft grows by one after a full acceptance,
-shrinks to what was accepted plus one otherwise, and a request whose drafts keep failing
+it, as many tokens as the match is longer than `ngram_min` (plus one). Lengths adapt per
+request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
+to what was accepted plus one otherwise, and a request whose drafts keep failing
 stops drafting for a while. Across the step, `batch_max` bounds the draft tokens of all
 requests together: with many sequences decoding, the batch is already wide enough that
 extra positions cost more than they save.
@@ -75,6 +76,7 @@ class NgramDrafter:
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self._sizes = tuple(range(ngram_max, ngram_min - 1, -1))
+        self._min = ngram_min
         self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
         self._indexed = 0  # n-grams ending before this position are in the tables
 
@@ -86,7 +88,9 @@ class NgramDrafter:
             if end > n:
                 follow = self._tables[n].get(tuple(tokens[end - n : end]))
                 if follow is not None:
-                    found = list(tokens[follow : follow + k])
+                    # As long a guess as the evidence: a match of the shortest n-gram
+                    # guesses one token, each longer match one more.
+                    found = list(tokens[follow : follow + min(k, n - self._min + 1)])
                     break
         self._index(tokens, end)
         return found
@@ -111,7 +115,7 @@ class DraftState:
 
     def update(self, drafted: int, accepted: int, draft_max: int, num_output: int) -> None:
         if accepted == drafted:
-            self.length = min(draft_max, self.length + 1)
+            self.length = min(draft_max, self.length * 2)
             self.fails = 0
             return
         self.length = max(1, accepted + 1)
@@ -141,8 +145,8 @@ class Speculator:
             return []
         state = self._states.get(req.request_id)
         if state is None:
-            start = max(1, self.config.draft_max // 2)
-            state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), start)
+            # Short first: a wrong guess costs a position; lengths double while guesses hold.
+            state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), 2)
         if req.num_output_tokens < state.paused_until:
             return []
         # Never draft past max_tokens: those positions could never be kept.

@@ -25,9 +25,11 @@ def test_the_drafter_follows_the_latest_longest_match():
     d = NgramDrafter(2, 4)
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
-    # "1 2 3" last occurred at 4..6, followed by 8 5 1
-    assert d.propose(tokens, 3) == [8, 5, 1]
-    assert d.propose(tokens + [8], 2) == [5, 1]  # the 4-gram "2 3 8"… wins where it exists
+    # "1 2 3" last occurred at 4..6, followed by 8 5 1; a 3-gram match guesses 2 tokens
+    assert d.propose(tokens, 3) == [8, 5]
+    # "1 2 3 8" (a 4-gram) occurred at 4..7: three tokens, however many are asked for
+    assert d.propose(tokens + [8], 5) == [5, 1, 2]
+    assert d.propose(tokens + [8, 5], 1) == [1]
     assert NgramDrafter(2, 4).propose([1, 2, 3, 4], 3) == []  # no earlier occurrence
     # The suffix never matches itself, even after tables grew from a longer sequence.
     d2 = NgramDrafter(2, 2)
@@ -36,9 +38,11 @@ def test_the_drafter_follows_the_latest_longest_match():
 
 
 def test_draft_lengths_adapt_and_pause_after_failures():
-    state = DraftState(NgramDrafter(2, 3), length=4)
-    state.update(drafted=4, accepted=4, draft_max=8, num_output=10)
-    assert state.length == 5
+    state = DraftState(NgramDrafter(2, 3), length=2)
+    state.update(drafted=2, accepted=2, draft_max=8, num_output=10)
+    assert state.length == 4  # doubles while guesses hold
+    state.update(drafted=4, accepted=4, draft_max=5, num_output=10)
+    assert state.length == 5  # up to draft_max
     state.update(drafted=5, accepted=1, draft_max=8, num_output=12)
     assert state.length == 2
     for _ in range(4):
