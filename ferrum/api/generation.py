@@ -40,7 +40,7 @@ from ferrum.models.registry import Lease
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
-__all__ = ["Answer", "Delta", "Event", "Finish", "deltas", "serve"]
+__all__ = ["Answer", "Delta", "Event", "Finish", "deltas", "gathered", "serve"]
 
 
 @dataclass
@@ -95,6 +95,19 @@ async def deltas(
                 raise EngineError("a finished output without a finish reason")
             yield Finish(out.finish_reason.value, out, called)
             return
+    raise EngineError("the engine closed a request without a result")
+
+
+async def gathered(events: AsyncIterator[Event]) -> tuple[Delta, Finish]:
+    """Every delta joined into one, and the Finish: a whole answer's material."""
+    total = Delta()
+    async for event in events:
+        if isinstance(event, Finish):
+            return total, event
+        total.content += event.content
+        total.reasoning += event.reasoning
+        total.calls += event.calls
+        total.tokens += event.tokens
     raise EngineError("the engine closed a request without a result")
 
 

@@ -12,19 +12,9 @@ import openai
 import pytest
 
 from tests.e2e.conftest import running_server
+from tests.unit.test_responses_api import TOOL as WEATHER
 
 MODEL = "smollm2-135m-instruct"
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
 
 
 @pytest.fixture(scope="module")

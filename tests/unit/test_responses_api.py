@@ -10,19 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.factories import FakeRunner, fake_app
-from tests.unit.test_api_tools import CALL, scripted
+from tests.unit.test_api_tools import CALL, WEATHER, scripted
 
-TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-
+# The weather tool in the Responses shape: the function's fields at the top.
+TOOL = {"type": "function", **WEATHER["function"]}
 
 @pytest.fixture
 def http():

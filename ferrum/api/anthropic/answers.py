@@ -43,11 +43,11 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.anthropic.errors import error_body
-from ferrum.api.generation import Delta, Event, Finish
+from ferrum.api.generation import Delta, Event, Finish, gathered
 from ferrum.api.serving import Prepared
 from ferrum.api.tool_calls import ToolCall
 from ferrum.engine.outputs import RequestOutput
-from ferrum.errors import EngineError, FerrumError, RequestTimeout
+from ferrum.errors import FerrumError, RequestTimeout
 
 __all__ = ["MessageAnswer"]
 
@@ -203,17 +203,11 @@ class MessageAnswer:
             yield _error_event(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
-        total = Delta()
-        async for event in events:
-            if isinstance(event, Finish):
-                out = event.output
-                message = self._message(self._content(total))
-                message.update(self._stop(event), usage=_usage(out, out.completion_tokens))
-                return JSONResponse(message)
-            total.content += event.content
-            total.reasoning += event.reasoning
-            total.calls += event.calls
-        raise EngineError("the engine closed a request without a result")
+        total, finish = await gathered(events)
+        out = finish.output
+        message = self._message(self._content(total))
+        message.update(self._stop(finish), usage=_usage(out, out.completion_tokens))
+        return JSONResponse(message)
 
     def _content(self, total: Delta) -> list[dict[str, Any]]:
         content: list[dict[str, Any]] = []

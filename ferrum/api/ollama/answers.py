@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ferrum.api.generation import Delta, Event, Finish, serve
+from ferrum.api.generation import Delta, Event, Finish, gathered, serve
 from ferrum.api.loaded import ServedModel
 from ferrum.api.ollama.bodies import (
     ChatBody,
@@ -50,7 +50,7 @@ from ferrum.api.serving import (
     prepare_completion,
 )
 from ferrum.engine.outputs import RequestOutput
-from ferrum.errors import EngineError, FerrumError, InvalidRequest, RequestTimeout
+from ferrum.errors import FerrumError, InvalidRequest, RequestTimeout
 from ferrum.models.errors import ModelBusy
 from ferrum.models.registry import Lease
 
@@ -177,14 +177,8 @@ class _Answer:
             yield _error_line(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
-        total = Delta()
-        async for event in events:
-            if isinstance(event, Finish):
-                return JSONResponse(self.shape.chunk(self._seen(total), self._done(event)))
-            total.content += event.content
-            total.reasoning += event.reasoning
-            total.calls += event.calls
-        raise EngineError("the engine closed a request without a result")
+        total, finish = await gathered(events)
+        return JSONResponse(self.shape.chunk(self._seen(total), self._done(finish)))
 
     def timeout_lines(self, err: RequestTimeout) -> list[str]:
         return [_error_line(err)]
