@@ -69,7 +69,30 @@ class EngineConfig:
     )
     no_prefix_cache: bool = field(
         default=False,
-        metadata=_flag("--no-prefix-cache", help="never reuse resident KV across requests"),
+        metadata=_flag(
+            "--no-prefix-cache",
+            help="never reuse KV across requests (resident, RAM or disk)",
+        ),
+    )
+    cache_ram: float = field(
+        default=2048,
+        metadata=_flag(
+            "--cache-ram",
+            help="MiB of host RAM per model for the states of prefixes evicted from the KV "
+            "pool (restored instead of recomputed; least recently used out; 0: none)",
+        ),
+    )
+    cache_disk: float = field(
+        default=8,
+        metadata=_flag(
+            "--cache-disk",
+            help="GiB of disk per model for saved prefix states, kept across restarts "
+            "(0: no disk tier)",
+        ),
+    )
+    cache_dir: str = field(
+        default="",
+        metadata=_flag("--cache-dir", help="folder of the disk tier (default: ~/.cache/ferrum/kv)"),
     )
     spec_type: str = field(
         default="ngram",
@@ -197,9 +220,7 @@ class ModelsConfig:
     )
     models_dir: str = field(
         default="",
-        metadata=_flag(
-            "--models-dir", help="the model store (default: ~/.cache/ferrum/models)"
-        ),
+        metadata=_flag("--models-dir", help="the model store (default: ~/.cache/ferrum/models)"),
     )
     presets: str = field(
         default="",

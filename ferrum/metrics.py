@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ferrum.engine.outputs import EngineObserver, StepStats
+from ferrum.engine.tiers import TierStats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
@@ -26,6 +27,23 @@ _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_TIER_EVENTS = ("saves", "restores", "restored_tokens", "failures", "write_failures")
+
+
+def _tier_snapshot(tiers: TierStats | None) -> dict[str, Any]:
+    """The tiers as /health shows them (zeros when the model has none: /health adds up the
+    snapshots of every loaded model)."""
+    tiers = tiers or TierStats()
+    out: dict[str, Any] = {event: getattr(tiers, event) for event in _TIER_EVENTS}
+    for tier in ("ram", "disk"):
+        c = getattr(tiers, tier)
+        out[tier] = {
+            "entries": c.entries,
+            "bytes": c.bytes,
+            "hits": c.hits,
+            "restore_seconds": round(c.restore_seconds, 6),
+        }
+    return out
 
 
 class Metrics(EngineObserver):
@@ -145,6 +163,35 @@ class Metrics(EngineObserver):
         self.parked_blocks = Gauge(
             "ferrum_prefix_cache_blocks", "KV blocks held by parked sequences", registry=r
         )
+        self._add_tier_metrics(r)
+
+    def _add_tier_metrics(self, r: CollectorRegistry) -> None:
+        self.tier_entries = Gauge(
+            "ferrum_prefix_tier_entries", "Saved prefix states per tier", ["tier"], registry=r
+        )
+        self.tier_bytes = Gauge(
+            "ferrum_prefix_tier_bytes", "Bytes of saved prefix states per tier", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.tier_hits = Counter(
+            "ferrum_prefix_tier_hits",
+            "Admissions that restored a saved state, by the tier it came from",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_restore_seconds = Counter(
+            "ferrum_prefix_tier_restore_seconds",
+            "Seconds spent reading states from disk (disk) and putting them back (ram)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_events = Counter(
+            "ferrum_prefix_tier_events",
+            "saves (evicted states kept), restores, restored_tokens, failures (a load or "
+            "restore refused: prefilled instead), write_failures (kept in RAM only)",
+            ["event"],
+            registry=r,
+        )
 
     def on_step(self, stats: StepStats) -> None:
         if stats.num_tokens:
@@ -197,7 +244,24 @@ class Metrics(EngineObserver):
             self.window_fallbacks.inc(
                 stats.window_fallbacks_total - self._last.window_fallbacks_total
             )
+        if stats.tiers is not None:
+            self._tiers(stats.tiers, self._last.tiers or TierStats())
         self._last = stats
+
+    def _tiers(self, now: TierStats, before: TierStats) -> None:
+        for tier in ("ram", "disk"):
+            counts, old = getattr(now, tier), getattr(before, tier)
+            self.tier_entries.labels(tier=tier).set(counts.entries)
+            self.tier_bytes.labels(tier=tier).set(counts.bytes)
+            if counts.hits > old.hits:
+                self.tier_hits.labels(tier=tier).inc(counts.hits - old.hits)
+            if counts.restore_seconds > old.restore_seconds:
+                seconds = counts.restore_seconds - old.restore_seconds
+                self.tier_restore_seconds.labels(tier=tier).inc(seconds)
+        for event in _TIER_EVENTS:
+            grew = getattr(now, event) - getattr(before, event)
+            if grew > 0:
+                self.tier_events.labels(event=event).inc(grew)
 
     def snapshot(self) -> dict[str, Any]:
         """The gauges as of the last engine step, for /health."""
@@ -213,6 +277,7 @@ class Metrics(EngineObserver):
                 "evictions": last.evictions_total,
                 "window_fallbacks": last.window_fallbacks_total,
                 **self._prefix_totals,
+                "tiers": _tier_snapshot(last.tiers),
             },
             "speculation": dict(self._spec_totals),
         }

@@ -19,6 +19,7 @@ from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
 from ferrum.engine.speculation import SpecConfig
+from ferrum.engine.tiers import TierConfig
 from ferrum.errors import ModelLoadError
 from ferrum.metrics import ServerMetrics
 from ferrum.models.catalog import serve_specs
@@ -109,6 +110,9 @@ class _Loader:
             max_running=cfg.parallel,
             prefix_cache=not cfg.no_prefix_cache,
             speculation=SpecConfig.from_engine_config(cfg),
+            tiers=TierConfig.for_model(
+                cfg.cache_ram, cfg.cache_disk, cfg.cache_dir, path, info.state_format
+            ),
         )
         sampling = dict(spec.preset.sampling)
         max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))

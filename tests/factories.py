@@ -11,6 +11,7 @@ or missing KV shows up as different output.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -108,6 +109,8 @@ class FakeRunner:
     # Sequences whose sliding window has lost cells: `holds_window` refuses copies from them.
     lost_windows: set[int] = field(default_factory=set)
     vocab: FakeVocab = field(default_factory=FakeVocab)
+    refuse_restores: bool = False  # llama.cpp refusing every saved state
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (seq, positions)
 
     def start_request(self, request_id: str, params: SamplingParams) -> None:
         if request_id in self.samplers:
@@ -135,6 +138,21 @@ class FakeRunner:
 
     def holds_window(self, seq_id: int, length: int) -> bool:
         return seq_id not in self.lost_windows
+
+    def save_sequence(self, seq_id: int) -> bytearray | None:
+        cells = self.kv.get(seq_id)
+        return bytearray(b"FAKE" + array("i", cells).tobytes()) if cells else None
+
+    def restore_sequence(self, seq_id: int, state: bytearray) -> bool:
+        if self.kv.get(seq_id):
+            raise AssertionError(f"restore into seq {seq_id}, which still holds cells")
+        if self.refuse_restores or not state.startswith(b"FAKE"):
+            return False
+        cells = array("i")
+        cells.frombytes(bytes(state[4:]))
+        self.kv[seq_id] = cells.tolist()
+        self.restores.append((seq_id, len(cells)))
+        return True
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         n = sum(len(i.tokens) for i in items)
@@ -319,9 +337,14 @@ def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **
         if isinstance(made, FakeEmbedder):
             made.start()
             return EmbeddingModel(spec.name, made, FakeVocab(), metrics.for_model(spec.name))
-        served = fake_served(spec.name, made, metrics.for_model(spec.name),
-                             max_queue, sampling=dict(spec.preset.sampling),
-                             system=spec.preset.system)
+        served = fake_served(
+            spec.name,
+            made,
+            metrics.for_model(spec.name),
+            max_queue,
+            sampling=dict(spec.preset.sampling),
+            system=spec.preset.system,
+        )
         served.engine.start()
         return served
 

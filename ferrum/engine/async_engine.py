@@ -23,6 +23,10 @@ from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
 log = logging.getLogger("ferrum.engine")
 
+# A step that scheduled nothing while work waits (a saved prefix being read from disk): the
+# next one comes after this pause rather than at once.
+_STALLED_WAIT_S = 0.001
+
 _IDLE_POLL_S = 0.5
 # A burst of requests sent together reaches the queue over a few milliseconds (each is
 # validated and prepared first). An idle engine that started stepping on the first would
@@ -149,6 +153,8 @@ class AsyncEngine:
         while not self._stopping:
             outputs = self._drain_commands(block=not core.has_work)
             if core.has_work:
+                if core.stalled:
+                    time.sleep(_STALLED_WAIT_S)  # waiting on a disk read or a donor: no spin
                 try:
                     outputs.extend(core.step())
                 except Exception:  # never let one bad step kill the server
@@ -161,6 +167,10 @@ class AsyncEngine:
             if outputs:
                 self._post(outputs)
         self._post(core.fail_all("server shutting down"))
+        try:
+            core.shutdown()
+        except Exception:  # a stop goes on without what could not be saved
+            log.exception("could not save the prefix cache at shutdown")
 
     def _check_idle(self) -> None:
         """The ledger check when idle; a broken ledger is a bug to report, not a reason to die."""

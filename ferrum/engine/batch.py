@@ -75,6 +75,9 @@ class ModelInfo:
     bos_text: str
     eos_text: str
     add_bos: bool
+    # What a saved sequence state depends on besides the model file: the llama.cpp build and
+    # the KV settings (`tiers.model_fingerprint`).
+    state_format: str = ""
 
 
 class Vocabulary(Protocol):
@@ -112,6 +115,15 @@ class KvOps(Protocol):
     def holds_window(self, seq_id: int, length: int) -> bool:
         """Whether seq_id still holds every position a copy of its first `length` needs to
         attend from position `length` on (always, on a model without a sliding window)."""
+        ...
+
+    def save_sequence(self, seq_id: int) -> bytearray | None:
+        """seq_id's whole state (KV cells, recurrent state) as bytes; None if there is none."""
+        ...
+
+    def restore_sequence(self, seq_id: int, state: bytearray) -> bool:
+        """Puts a saved state back as seq_id (which holds nothing); False, leaving seq_id
+        empty, when llama.cpp refuses it (no room, or a state of another shape)."""
         ...
 
 

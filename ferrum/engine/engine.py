@@ -7,6 +7,7 @@ caller. The runner is any `Runner` (batch.py): llama.cpp's, or the tests' fake.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
+from ferrum.engine.tiers import TierConfig
 from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 
 log = logging.getLogger("ferrum.engine")
@@ -49,6 +51,7 @@ class LLMEngine:
         prefix_cache: bool = True,
         speculation: SpecConfig | None = None,
         drafter: Callable[[SpecConfig], Drafter] | None = None,
+        tiers: TierConfig | None = None,
     ):
         info = runner.info
         self.runner = runner
@@ -58,7 +61,10 @@ class LLMEngine:
         self.max_positions = blocks.num_blocks * block_size
         # Recurrent state cannot be shared between sequences; only attention KV cells can.
         share = not (info.is_recurrent or info.is_hybrid)
-        self.kv_manager = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share)
+        # A saved state may be cut back to any prefix only where attention KV is all it is;
+        # a sliding window keeps just enough cells to drop the last position.
+        cut = None if share and info.n_swa == 0 else 1 if share else 0
+        self.kv_manager = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut)
         self.speculator = self._speculator(speculation or SpecConfig(kind="none"), info, drafter)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -68,6 +74,7 @@ class LLMEngine:
         )
         self.observer = observer or EngineObserver()
         self._live: dict[str, _RequestState] = {}
+        self.stalled = False  # the last step had work but could schedule none of it
         self._finished_stats: list[FinishedRequest] = []
 
     @staticmethod
@@ -145,10 +152,14 @@ class LLMEngine:
         stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
         stats.preemptions = len(sched.preempted)
         touched: list[_RequestState] = []
+        self.stalled = not sched.chunks
         if sched.chunks:
             self._execute(sched, stats, touched)
         outputs = [self._take(live) for live in touched]
         stats.step_s = time.monotonic() - t0
+        saved = self.kv_manager.saved
+        if saved is not None and stats.prompt_tokens_computed:
+            saved.costs.prefilled(stats.num_tokens, stats.step_s)
         self.publish_stats(stats)
         return outputs
 
@@ -314,10 +325,16 @@ class LLMEngine:
         stats.parked_blocks = kv.parked.num_blocks
         stats.evictions_total = kv.evictions
         stats.window_fallbacks_total = kv.window_fallbacks
+        if kv.saved is not None:
+            stats.tiers = copy.deepcopy(kv.saved.snapshot())
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []
         self.observer.on_step(stats)
+
+    def shutdown(self) -> None:
+        """At a stop, once no request is left: parked sequences go to the tiers (and disk)."""
+        self.kv_manager.save_parked()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

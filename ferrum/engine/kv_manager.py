@@ -30,10 +30,23 @@ Parked sequences (finished requests whose KV is kept) are bounded by blocks and 
 not by a count: when either runs short they are evicted, least recently used first. Evicting
 one frees only its private blocks; blocks a running request shares stay (ref counts), so a
 running request never loses a prefix it depends on.
+
+With tiers (`tiers.py`), an evicted sequence's state is saved first, and a fourth plan joins:
+
+  restore    new sequence id; a saved state (RAM, or disk read in first while the request
+             waits) is put back with llama_state_seq_set_data, then trimmed to the match:
+                 saved   [ 0 ·········· match ······ n )    restored whole, then
+                 new     [ 0 ·········· match )              positions ≥ match removed
+             chosen only when it is longer than the best resident reuse and measured speeds
+             say restoring beats computing the difference. Attention models restore any
+             prefix; recurrent and hybrid ones only a saved state the prompt wholly extends
+             (their state cannot be cut back); sliding-window ones that, or one cut back by a
+             single position, checked with `holds_window` (older window cells are gone)
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -41,6 +54,7 @@ from ferrum.engine.batch import KvOps
 from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
 from ferrum.engine.prefix import Parked, ParkedLRU, PrefixIndex
 from ferrum.engine.request import Request
+from ferrum.engine.tiers import Saved, SavedStates, Tier, TierConfig
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Reuse:
     takeover: bool = False
     # Longer matches passed over because their donor had lost part of the sliding window.
     window_refusals: int = 0
+    saved: Saved | None = None  # restore this saved state, then keep `length` positions of it
 
 
 _FRESH = Reuse()
@@ -63,6 +78,8 @@ class KVManager:
         num_seq_ids: int,
         prefix_cache: bool = True,
         share_cells: bool = True,
+        tiers: TierConfig | None = None,
+        restore_cut: int | None = None,
     ):
         self.blocks = blocks
         self.seq_ids = SeqIdPool(num_seq_ids)
@@ -73,52 +90,90 @@ class KVManager:
         self.parked = ParkedLRU()
         self.evictions = 0
         self.window_fallbacks = 0  # admissions that reused less because a window had holes
+        self.saved: SavedStates | None = None
+        if prefix_cache and tiers is not None and (tiers.ram_bytes > 0 or tiers.disk_bytes > 0):
+            self.saved = SavedStates(tiers, self.index)
+        # How many positions a restored state may be cut back by (None: any, 0: none).
+        self.restore_cut = restore_cut
 
     # -- admission --------------------------------------------------------------------------
 
     def plan(self, req: Request) -> Reuse | None:
-        """Where req's KV comes from; None: wait, a running donor is computing the prefix.
+        """Where req's KV comes from; None: wait, a running donor is computing the prefix (or
+        a saved state is being read from disk).
 
         Owners are tried longest match first. On a sliding-window model a donor's old window
         cells can be recycled by llama.cpp while it is parked or decoding on, so a partial
         copy is taken only from a donor that still holds the newcomer's whole window; else
-        the next owner (a shorter match) is tried, and only then a fresh prefill.
+        the next owner (a shorter match) is tried, and only then a fresh prefill. A saved
+        state longer than the resident reuse is restored when that is cheaper.
         """
         if not self.prefix_cache:
             return _FRESH
         refused = 0
+        saved: Reuse | None = None
+        resident: Reuse | None = None
         for match in self.index.matches(req.all_token_ids):
             length = min(match.length, req.num_tokens - 1)
             donor = match.owner
             if length <= 0:
                 break
-            if donor.seq_id is None:
+            if isinstance(donor, Saved):
+                if saved is None and self._restorable(donor, length):
+                    saved = Reuse(length=length, saved=donor)
+                continue
+            if not isinstance(donor, (Request, Parked)) or donor.seq_id is None:
                 continue  # a request preempted within this step
             if isinstance(donor, Parked) and length == len(donor.all_token_ids):
                 # Continuing the owner itself: a sequence always keeps its own recent window.
-                return Reuse(donor, length, takeover=True, window_refusals=refused)
+                resident = Reuse(donor, length, takeover=True, window_refusals=refused)
+                break
             if not self.share_cells:
                 continue
             if isinstance(donor, Request) and donor.num_computed_tokens < length:
-                return None
+                # Wait for the donor, unless a saved state serves more.
+                return None if saved is None else self._prefer_saved(saved, length, None)
             if not self.ops.holds_window(donor.seq_id, length):
                 refused += 1
                 continue
-            return Reuse(donor, length, window_refusals=refused)
-        return Reuse(window_refusals=refused) if refused else _FRESH
+            resident = Reuse(donor, length, window_refusals=refused)
+            break
+        if resident is None:
+            resident = Reuse(window_refusals=refused) if refused else _FRESH
+        return self._prefer_saved(saved, resident.length, resident)
+
+    def _restorable(self, entry: Saved, length: int) -> bool:
+        cut = entry.length - length
+        fits = self.restore_cut is None or cut <= self.restore_cut
+        return length >= self.blocks.block_size and fits
+
+    def _prefer_saved(self, saved: Reuse | None, have: int, resident: Reuse | None) -> Reuse | None:
+        """The saved state when it serves more than the `have` positions of the resident plan
+        for less than computing them costs; None while it is still being read from disk."""
+        if saved is None or saved.saved is None or self.saved is None:
+            return resident
+        gain = saved.length - have
+        if gain < self.blocks.block_size or not self.saved.costs.worth(saved.saved, gain):
+            return resident
+        return saved if self.saved.ready(saved.saved) else None
 
     def admit(self, req: Request, reuse: Reuse, keep_free: int = 0) -> int | None:
         """Gives req a sequence and blocks for all its tokens (+1) and returns how many of its
         positions are already resident (reused); None, changing nothing, when it cannot fit."""
         bs = self.blocks.block_size
         donor = reuse.donor
-        if donor is None:
-            shared = 0
-        elif reuse.takeover:
-            shared = len(donor.page_table.blocks)
+        state = reuse.saved.data if reuse.saved is not None else None  # kept through _make_room
+        if reuse.saved is not None and state is None:
+            return self.admit(req, _FRESH, keep_free)  # left RAM since it was planned
+        if reuse.saved is not None:
+            # Restored whole before it is cut back to the match: room for all of it first.
+            need = max(blocks_for(req.num_tokens + 1, bs), blocks_for(reuse.saved.length, bs))
         else:
-            shared = reuse.length // bs
-        need = max(0, blocks_for(req.num_tokens + 1, bs) - shared) + (1 if reuse.takeover else 0)
+            shared = 0 if donor is None else reuse.length // bs
+            if reuse.takeover and donor is not None:
+                shared = len(donor.page_table.blocks)
+            need = max(0, blocks_for(req.num_tokens + 1, bs) - shared)
+            need += 1 if reuse.takeover else 0
         exclude = donor if isinstance(donor, Parked) else None
         if not self._make_room(need + keep_free, exclude, need_seq=not reuse.takeover):
             # A parked donor so large that req can never fit beside it (e.g. a sequence that ran
@@ -129,7 +184,7 @@ class KVManager:
                 return None
             return self.admit(req, _FRESH, keep_free)
         try:
-            self._attach(req, reuse)
+            reused = self._attach(req, reuse, state)
         except BaseException:
             self._detach(req)  # a failed admission must not keep a sequence id or blocks
             raise
@@ -137,10 +192,11 @@ class KVManager:
             self.window_fallbacks += 1
         if self.prefix_cache:
             self.index.add(req)
-        return reuse.length
+        return reused
 
-    def _attach(self, req: Request, reuse: Reuse) -> None:
+    def _attach(self, req: Request, reuse: Reuse, state: bytearray | None) -> int:
         donor = reuse.donor
+        reused = reuse.length
         if isinstance(donor, Parked) and reuse.takeover:
             self._take_over(req, donor)
         else:
@@ -149,8 +205,30 @@ class KVManager:
                 raise IntegrityError("admission made room but no sequence id is free")
             if donor is not None:
                 self._copy_from(req, seq_id, donor, reuse.length)
+            elif reuse.saved is not None and state is not None:
+                reused = self._restore(seq_id, reuse.saved, state, reuse.length)
         if not self.blocks.grow(req.page_table, req.num_tokens):
             raise IntegrityError("admission made room but the ledger refused the blocks")
+        return reused
+
+    def _restore(self, seq_id: int, entry: Saved, state: bytearray, length: int) -> int:
+        """Puts entry's state back as seq_id and keeps its first `length` positions; 0 (a
+        fresh prefill) when llama.cpp refuses it."""
+        assert self.saved is not None
+        source, entry.source = entry.source, Tier.RAM
+        t0 = time.monotonic()
+        if not self.ops.restore_sequence(seq_id, state):
+            self.saved.failed(entry, "llama.cpp refused the state")
+            return 0
+        if length < len(entry.all_token_ids):
+            self.ops.trim_sequence(seq_id, length)
+            if not self.ops.holds_window(seq_id, length):
+                # The saved window did not reach back far enough for the cut: prefill.
+                self.ops.clear_sequence(seq_id)
+                self.window_fallbacks += 1
+                return 0
+        self.saved.restored(entry, length, time.monotonic() - t0, source)
+        return length
 
     def _detach(self, req: Request) -> None:
         self.blocks.release(req.page_table)
@@ -243,10 +321,13 @@ class KVManager:
         self.parked.add(parked)
         self.index.add(parked)
 
-    def evict_one(self, exclude: Parked | None = None) -> bool:
+    def evict_one(self, exclude: Parked | None = None, save: bool = True) -> bool:
+        """Evicts the least recently used parked sequence, saving its state to the tiers."""
         victim = self.parked.oldest(exclude)
         if victim is None:
             return False
+        if save:
+            self._save(victim)
         self.parked.remove(victim)
         self.index.remove(victim)
         self.blocks.release(victim.page_table)
@@ -256,8 +337,45 @@ class KVManager:
         return True
 
     def drop_parked(self) -> None:
-        while self.evict_one():
+        """Evicts every parked sequence without saving (the ledger may be wrong)."""
+        while self.evict_one(save=False):
             pass
+
+    def save_parked(self) -> None:
+        """Saves every parked sequence to the tiers and waits for their files (a stop)."""
+        if self.saved is None:
+            return
+        for parked in list(self.parked):
+            self._save(parked)
+        self.saved.close()
+
+    @property
+    def any_prefix(self) -> bool:
+        """Whether any prefix of a saved state can be restored (attention KV alone)."""
+        return self.restore_cut is None
+
+    def _save(self, parked: Parked) -> None:
+        """Keeps parked's state in the tiers, unless a saved state already holds its tokens
+        (or more, where a prefix may be restored); saved states it extends are dropped."""
+        saved = self.saved
+        if saved is None or saved.get(parked.all_token_ids) is not None:
+            return
+        tokens = parked.all_token_ids
+        shorter = []
+        for match in self.index.matches(tokens):
+            owner = match.owner
+            if isinstance(owner, Saved) and match.length == len(tokens) and self.any_prefix:
+                saved.touch(owner)
+                return  # a longer saved state holds these tokens
+            if isinstance(owner, Saved) and match.length == owner.length < len(tokens):
+                shorter.append(owner)
+        state = self.ops.save_sequence(parked.seq_id)
+        if state is None:
+            return
+        saved.save(tokens, state)
+        if self.any_prefix:
+            for owner in shorter:
+                saved.drop(owner)
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -270,5 +388,6 @@ class KVManager:
         if len(owned) != len(running):
             raise IntegrityError("a running request holds no sequence id")
         self.seq_ids.check_integrity(owned + [p.seq_id for p in parked])
-        if self.prefix_cache and len(self.index) != len(running) + len(parked):
-            raise IntegrityError("prefix index out of step with running and parked sequences")
+        saved = len(self.saved) if self.saved is not None else 0
+        if self.prefix_cache and len(self.index) != len(running) + len(parked) + saved:
+            raise IntegrityError("prefix index out of step with running, parked and saved")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ferrum.engine.request import FinishReason
+from ferrum.engine.tiers import TierStats
 from ferrum.errors import EngineError
 
 
@@ -69,6 +70,7 @@ class StepStats:
     parked_blocks: int = 0
     evictions_total: int = 0
     window_fallbacks_total: int = 0  # copies refused for a sliding window with holes
+    tiers: TierStats | None = None  # saved prefixes in RAM and on disk (None: no tiers)
     queue_depth: int = 0
     active_requests: int = 0
     ttfts: list[float] = field(default_factory=list)

@@ -2,7 +2,9 @@
 
 Owners are llama.cpp sequences that hold (or are about to hold) KV for their tokens: running
 requests (indexed over their whole token list, so a newcomer can wait for a donor that is
-still prefilling) and parked sequences (finished requests whose KV was kept).
+still prefilling) and parked sequences (finished requests whose KV was kept); and saved
+states of evicted sequences, in host RAM or on disk (`tiers.Saved`), which are restored
+rather than shared.
 
 Full blocks are keyed by a chained hash, so a lookup walks the prompt block by block; the match
 is then extended token by token inside the first unmatched block and checked against the
@@ -19,6 +21,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ferrum.engine.kv import PageTable
 from ferrum.engine.request import Request
@@ -33,7 +36,17 @@ class Parked:
     page_table: PageTable = field(default_factory=PageTable)
 
 
-Owner = Request | Parked
+class Owner(Protocol):
+    """Anything whose first positions hold KV (or saved state) for `all_token_ids`."""
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+def _rank(owner: Owner) -> int:
+    """On a tie: a parked owner first (only it can be taken over), a saved one last (only it
+    costs a restore)."""
+    return 0 if isinstance(owner, Parked) else 1 if isinstance(owner, Request) else 2
 
 
 @dataclass(frozen=True)
@@ -77,7 +90,7 @@ class PrefixIndex:
 
     def matches(self, tokens: list[int]) -> Iterator[Match]:
         """Every owner sharing at least one full block with `tokens`, longest match first
-        (parked before running on a tie: only a parked owner can be taken over).
+        (parked, then running, then saved on a tie).
 
         Lazy: the planner usually takes the first; it reads further only when a donor cannot
         serve its match (a sliding window that lost cells), so a shallower owner (a shared
@@ -104,7 +117,7 @@ class PrefixIndex:
                 if own[:full] != tokens[:full]:
                     continue  # hash collision
                 found.append(Match(owner, full + _common_prefix(own, tokens, full)))
-            found.sort(key=lambda m: (-m.length, not isinstance(m.owner, Parked)))
+            found.sort(key=lambda m: (-m.length, _rank(m.owner)))
             yield from found
 
 

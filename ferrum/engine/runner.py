@@ -154,6 +154,7 @@ class LlamaRunner:
             bos_text=vocab.token_text(vocab.bos),
             eos_text=vocab.token_text(vocab.eos),
             add_bos=vocab.add_bos,
+            state_format=f"llama-cpp-python {ll.__version__}; kv f16; unified; swa_full",
         )
 
     # -- requests -------------------------------------------------------------------------
@@ -188,6 +189,25 @@ class LlamaRunner:
         """Whether seq_id still holds, in the sliding-window cache, every position that a
         copy of its first `length` positions attends to from position `length` on."""
         return self._window is None or self._window.holds(seq_id, length)
+
+    def save_sequence(self, seq_id: int) -> bytearray | None:
+        size = int(ll.llama_state_seq_get_size(self._ctx, seq_id))
+        if size <= 0:
+            return None
+        state = bytearray(size)
+        view = (ctypes.c_uint8 * size).from_buffer(state)
+        written = int(ll.llama_state_seq_get_data(self._ctx, view, size, seq_id))
+        del view  # releases the bytearray's buffer
+        return state if written == size else None
+
+    def restore_sequence(self, seq_id: int, state: bytearray) -> bool:
+        view = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        read = int(ll.llama_state_seq_set_data(self._ctx, view, len(state), seq_id))
+        del view
+        if read != len(state):
+            self.clear_sequence(seq_id)  # a refused restore may have placed some cells
+            return False
+        return True
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
         """Decodes all items in one llama_decode and samples where asked."""

@@ -25,6 +25,8 @@ def running_server(
     port = free_port()
     if not any(flag.startswith("--models-dir") for flag in extra):
         extra = ("--models-dir", str(folder / "models"), *extra)
+    if not any(flag.startswith("--cache-dir") for flag in extra):
+        extra = ("--cache-dir", str(folder / "kv"), *extra)  # never the user's own
     model_flags = [f for m in models for f in ("--model", m)]
     flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", *model_flags, *extra)
     server = ServerProcess(ferrum_command(port, *flags), log_path, port, env=env)

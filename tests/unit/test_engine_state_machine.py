@@ -16,8 +16,11 @@ stale, shared-wrong or lost KV (prefix reuse, takeover, preemption, cleared ids)
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,6 +30,7 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.speculation import SpecConfig
+from ferrum.engine.tiers import TierConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
 
@@ -295,3 +299,59 @@ SpeculatingEngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
+
+
+class TieredEngineMachine(EngineMachine):
+    """The same traffic with every evicted sequence saved to a RAM tier of a few entries and
+    a disk tier behind it, restored (whole or cut back) instead of recomputed, and restarts on
+    the same folder whenever the engine is idle: the output must still be what the prompt alone
+    gives, and the index must hold exactly the running, parked and saved sequences."""
+
+    folder: Path | None = None
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        from tests.unit.test_tiers import AlwaysRestore
+
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="ferrum-tiers-"))
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        # A fake state is 4 bytes a position: RAM holds two or three, the disk a dozen.
+        tiers = TierConfig(400, 2_000, self.folder, "fake", io_thread=False)
+        engine = LLMEngine(runner, block_size=8, max_running=3, tiers=tiers)
+        assert engine.kv_manager.saved is not None
+        engine.kv_manager.saved.costs = AlwaysRestore()
+        return runner, engine
+
+    @precondition(lambda self: self.front.idle)
+    @rule()
+    def restart(self) -> None:
+        self.engine.shutdown()
+        self.runner, self.engine = self.make_engine()
+        self.front = _PumpedAsyncEngine(self.engine, max_queue=8)
+
+    @invariant()
+    def tiers_stay_in_bounds(self) -> None:
+        saved = self.engine.kv_manager.saved
+        assert saved is not None
+        stats = saved.snapshot()
+        assert stats.ram.bytes <= 400 + saved.pinned_bytes and stats.disk.bytes <= 2_000
+        assert stats.failures == 0
+        for entry in saved:
+            assert entry.data is not None or entry.header is not None
+            assert entry in self.engine.kv_manager.index
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+
+TieredEngineMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestTieredEngineStateMachine = TieredEngineMachine.TestCase
