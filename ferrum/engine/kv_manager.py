@@ -144,8 +144,10 @@ class KVManager:
 
     def _restorable(self, entry: Saved, length: int) -> bool:
         cut = entry.length - length
-        fits = self.restore_cut is None or cut <= self.restore_cut
-        return length >= self.blocks.block_size and fits
+        allowed = self.restore_cut is None or cut <= self.restore_cut
+        # A state saved by a server with a larger context may not fit this pool at all.
+        fits = blocks_for(entry.length + 1, self.blocks.block_size) <= self.blocks.num_blocks
+        return length >= self.blocks.block_size and allowed and fits
 
     def _prefer_saved(self, saved: Reuse | None, have: int, resident: Reuse | None) -> Reuse | None:
         """The saved state when it serves more than the `have` positions of the resident plan

@@ -12,7 +12,9 @@ from ferrum.server import build_server
 def test_startup_line_states_the_flags_as_given(tiny_llama, tmp_path):
     # The context holds twice --parallel sequence ids (the rest keep parked sequences), and
     # the line once printed that number as "parallel".
-    engine_cfg = EngineConfig(ctx_size=512, parallel=3, batch_size=64, threads=2)
+    engine_cfg = EngineConfig(
+        ctx_size=512, parallel=3, batch_size=64, threads=2, cache_dir=str(tmp_path / "kv")
+    )
     models = ModelsConfig(model=(f"tiny={tiny_llama}",), models_dir=str(tmp_path))
     app, summary = build_server(engine_cfg, ServerConfig(port=9999), models)
     assert "parallel=3 " in summary and "ctx=512 " in summary and "tiny" in summary

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ferrum.engine import tier_files
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.prefix import PrefixIndex
 from ferrum.engine.tiers import Costs, Saved, SavedStates, Tier, TierConfig
+from ferrum.engine.tiers import files as tier_files
 from tests.factories import FakeRunner, byte_tokenize, model_info, run_to_completion, sampling
 
 FP = "model-a"
@@ -316,3 +316,17 @@ def test_tiers_reach_metrics_and_health(tmp_path: Path) -> None:
     assert 'ferrum_prefix_tier_hits_total{tier="disk"} 6.0' in text
     assert 'ferrum_prefix_tier_events_total{event="restores"} 6.0' in text
     assert 'ferrum_prefix_tier_entries{tier="disk"} 6.0' in text
+
+
+def test_a_state_larger_than_this_pool_is_never_restored(tmp_path: Path) -> None:
+    """Saved by a server with a larger context: a prompt that is a prefix of it is prefilled
+    afresh here, not left waiting for room that never comes."""
+    long_prompt = _prompts(1)[0] * 3  # 336 tokens: more than the small pool's 256 positions
+    big = FakeRunner(info=model_info(n_ctx=1024, n_batch=64, n_seq_max=4))
+    _, engine = _engine(tmp_path, runner=big)
+    _ask(engine, "a", long_prompt)
+    engine.shutdown()
+    small = FakeRunner(info=model_info(n_ctx=256, n_batch=64, n_seq_max=4))
+    _, engine = _engine(tmp_path, runner=small)
+    head = long_prompt[:200]
+    assert _ask(engine, "b", head) == (_fresh(head), 0)

@@ -1,32 +1,8 @@
-"""Saved prefixes: sequences evicted from the KV pool, kept as llama.cpp state in host RAM and
-on disk, indexed in the same prefix index as resident ones, restored when that beats prefill.
-
-    KV pool      running + parked sequences         cells in llama.cpp (kv_manager.py)
-      │ a parked sequence is evicted: its state is read out (llama_state_seq_get_data)
-      ▼
-    RAM tier     --cache-ram MiB, least recently used out        Saved.data
-      │ every entry is also written behind to disk (an I/O thread), so it survives restarts
-      ▼
-    disk tier    --cache-dir, --cache-disk GiB, least recently used out   tier_files.py
-
-An entry leaves RAM when RAM is over its bound (and its file is written); it is forgotten
-(and unindexed) once it is in neither tier. A disk-only entry is read back into RAM by the
-I/O thread while its request waits (`ready`), so the engine thread never waits on a disk;
-restoring from RAM is one memory copy inside llama.cpp (`KvOps.restore_sequence`).
-
-Rules: every entry is in the prefix index exactly while it is in a tier; only the engine
-thread changes entries (the I/O thread reports back through a queue, applied by `poll`); a
-file is loaded only when its header names this model's fingerprint and its checksum holds.
-
-Whether to restore is decided by `Costs`: measured prefill speed (tokens/s) against measured
-restore speed (bytes/s, per tier), never a constant; until either is measured, restore.
-"""
+"""The RAM and disk tiers of one model's engine: bounds, write-behind, read-back, restart."""
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import hashlib
 import logging
 import os
 import queue
@@ -34,134 +10,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from ferrum.engine import tier_files
 from ferrum.engine.prefix import PrefixIndex
+from ferrum.engine.tiers import files
+from ferrum.engine.tiers.costs import Costs
+from ferrum.engine.tiers.entries import Saved, Tier, TierConfig, TierCounts, TierStats, state_key
 
 log = logging.getLogger("ferrum.tiers")
-
-
-class Tier(enum.StrEnum):
-    RAM = "ram"
-    DISK = "disk"
-
-
-@dataclass(eq=False)
-class Saved:
-    """One saved sequence state: its tokens (what it holds, positions 0..n) and where it is."""
-
-    key: str
-    all_token_ids: list[int]
-    state_bytes: int
-    data: bytearray | None = None  # the state in RAM
-    header: tier_files.EntryHeader | None = None  # the state's file, once written
-    writing: bool = False
-    loading: bool = False
-    source: Tier = Tier.RAM  # DISK while its data is the copy just read back from disk
-    pinned: bool = False  # read back for a waiting request: RAM keeps it until restored
-    seq_id: None = None  # never resident: an index owner without a sequence
-
-    @property
-    def tier(self) -> Tier:
-        return Tier.RAM if self.data is not None else Tier.DISK
-
-    @property
-    def length(self) -> int:
-        return len(self.all_token_ids)
-
-
-@dataclass
-class TierCounts:
-    entries: int = 0
-    bytes: int = 0
-    hits: int = 0  # restores that reused this tier's entry
-    restore_seconds: float = 0.0
-
-
-@dataclass
-class TierStats:
-    """Per tier, plus the failures that fell back to prefill (each logged)."""
-
-    ram: TierCounts = field(default_factory=TierCounts)
-    disk: TierCounts = field(default_factory=TierCounts)
-    saves: int = 0
-    restores: int = 0
-    restored_tokens: int = 0
-    failures: int = 0  # loads or restores refused: a fresh prefill instead
-    write_failures: int = 0  # files that could not be written (a full disk): RAM only
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    ram_bytes: int
-    disk_bytes: int = 0
-    folder: Path | None = None  # this model's folder under --cache-dir; None: no disk tier
-    fingerprint: str = ""
-    io_thread: bool = True  # False: file I/O inline on the engine thread (tests: reproducible)
-
-    @classmethod
-    def for_model(
-        cls, ram_mib: float, disk_gib: float, cache_dir: str, model_path: str, state_format: str
-    ) -> TierConfig | None:
-        """The tiers of one model: its own folder (named by its file) under cache_dir, and
-        a fingerprint that also names the llama.cpp build; None when both tiers are off."""
-        ram, disk = int(ram_mib * 2**20), int(disk_gib * 2**30)
-        if ram <= 0 and disk <= 0:
-            return None
-        model = file_fingerprint(model_path)
-        folder = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / model if disk > 0 else None
-        digest = hashlib.sha256(state_format.encode()).hexdigest()[:16]
-        return cls(ram, disk, folder, f"{model}-{digest}")
-
-
-DEFAULT_CACHE_DIR = "~/.cache/ferrum/kv"
-
-
-def file_fingerprint(path: str) -> str:
-    """A model file's identity: its size and a hash of its first and last 4 MiB (a full hash
-    of a multi-GB file would cost seconds at every start)."""
-    h = hashlib.sha256()
-    size = os.path.getsize(path)
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(4 << 20))
-        f.seek(max(0, size - (4 << 20)))
-        h.update(f.read(4 << 20))
-    return h.hexdigest()[:24]
-
-
-class Costs:
-    """Measured speeds: prefill tokens/s from engine steps, restore bytes/s per tier."""
-
-    _WEIGHT = 0.3  # of each new measurement in the running average
-
-    def __init__(self) -> None:
-        self.prefill_tps: float | None = None
-        self.restore_bps: dict[Tier, float] = {}
-
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        if tokens >= 32 and seconds > 0:
-            self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
-
-    def restored(self, tier: Tier, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.restore_bps[tier] = self._mix(self.restore_bps.get(tier), nbytes / seconds)
-
-    def worth(self, entry: Saved, tokens_saved: int) -> bool:
-        """Whether restoring `entry` costs less than computing `tokens_saved` positions."""
-        bps = self.restore_bps.get(entry.tier)
-        if self.prefill_tps is None or bps is None:
-            return True
-        if entry.tier is Tier.DISK and Tier.RAM in self.restore_bps:
-            # From disk: read into RAM, then the RAM restore.
-            bps = 1 / (1 / bps + 1 / self.restore_bps[Tier.RAM])
-        return entry.state_bytes / bps < tokens_saved / self.prefill_tps
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self._WEIGHT * (new - old)
 
 
 class SavedStates:
@@ -178,8 +35,11 @@ class SavedStates:
         self._ram_bytes = self._disk_bytes = self._pending_bytes = 0
         self._pins: OrderedDict[str, Saved] = OrderedDict()
         self._done: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._io: threading.Thread | None = None
+        # Writes (and deletes) behind at the lowest CPU priority: nothing waits on them, and
+        # on a CPU server they would take time from the decode threads. Reads at normal
+        # priority: a request waits on each.
+        self._writer: _Worker | None = None
+        self._reader: _Worker | None = None
         self.disk = False
         if config.folder is not None and config.disk_bytes > 0:
             try:
@@ -190,8 +50,8 @@ class SavedStates:
                 return
             self.disk = True
             if config.io_thread:
-                self._io = threading.Thread(target=self._io_loop, name="ferrum-kv-io", daemon=True)
-                self._io.start()
+                self._writer = _Worker("ferrum-kv-write", nice=19)
+                self._reader = _Worker("ferrum-kv-read", nice=0)
 
     def __iter__(self) -> Iterator[Saved]:
         return iter(list(self._entries.values()))
@@ -202,12 +62,12 @@ class SavedStates:
     # -- engine thread ----------------------------------------------------------------------
 
     def get(self, tokens: list[int]) -> Saved | None:
-        return self._entries.get(_key(tokens))
+        return self._entries.get(state_key(tokens))
 
     def save(self, tokens: list[int], state: bytearray) -> Saved:
         """Keeps a state in RAM (and writes it behind to disk); the same tokens twice keep one."""
         self.poll()
-        key = _key(tokens)
+        key = state_key(tokens)
         entry = self._entries.get(key)
         if entry is not None:
             self.touch(entry)
@@ -241,7 +101,7 @@ class SavedStates:
         if not entry.loading and entry.header is not None and entry.key in self._entries:
             entry.loading = True
             header = entry.header
-            self._submit(lambda: self._load(entry, header))
+            self._submit(lambda: self._load(entry, header), self._reader)
         return False
 
     def restored(self, entry: Saved, tokens: int, seconds: float, source: Tier) -> None:
@@ -255,7 +115,7 @@ class SavedStates:
         self._unpin(entry)
         if entry.header is not None:  # recency on disk outlives this process: the file's mtime
             path = entry.header.path
-            self._submit(partial(_touch_file, path))
+            self._submit(partial(_touch_file, path), self._writer)
 
     def failed(self, entry: Saved, why: str) -> None:
         """llama.cpp refused the state (or its file was bad): forgotten, file deleted."""
@@ -285,11 +145,10 @@ class SavedStates:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finishes the writes under way (a stop must not lose what it just saved)."""
-        if self._io is None:
-            return
-        self._jobs.put(None)
-        self._io.join(timeout)
-        self._io = None
+        for worker in (self._reader, self._writer):
+            if worker is not None:
+                worker.stop(timeout)
+        self._reader = self._writer = None
         self.poll()
 
     # -- bounds -----------------------------------------------------------------------------
@@ -343,7 +202,7 @@ class SavedStates:
         if self._disk.pop(entry.key, None) is not None and entry.header is not None:
             self._disk_bytes -= entry.header.file_bytes
             path = entry.header.path
-            self._submit(lambda: path.unlink(missing_ok=True))
+            self._submit(lambda: path.unlink(missing_ok=True), self._writer)
         entry.header = None
 
     def _counts(self, tier: Tier) -> TierCounts:
@@ -353,13 +212,13 @@ class SavedStates:
 
     def _load_folder(self, folder: Path) -> None:
         """Indexes the entries a previous run left, oldest use first."""
-        kept, dropped = tier_files.scan(folder, self.config.fingerprint)
+        kept, dropped = files.scan(folder, self.config.fingerprint)
         for path, why in dropped:
             log.warning("prefix cache: deleted %s (%s)", path.name, why)
         kept.sort(key=lambda h: _mtime(h.path))
         for header in kept:
-            key = _key(header.tokens)
-            if header.path.name != key + tier_files.SUFFIX or key in self._entries:
+            key = state_key(header.tokens)
+            if header.path.name != key + files.SUFFIX or key in self._entries:
                 header.path.unlink(missing_ok=True)
                 continue
             entry = Saved(key, header.tokens, header.state_bytes, header=header)
@@ -376,20 +235,20 @@ class SavedStates:
 
     def _write(self, entry: Saved, state: bytearray) -> None:
         assert self.config.folder is not None
-        path = self.config.folder / (entry.key + tier_files.SUFFIX)
+        path = self.config.folder / (entry.key + files.SUFFIX)
         tokens, fingerprint = entry.all_token_ids, self.config.fingerprint
         entry.writing = True
         self._pending_bytes += len(state)
 
         def job() -> None:
             try:
-                size = tier_files.write_entry(path, fingerprint, tokens, state)
+                size = files.write_entry(path, fingerprint, tokens, state)
             except OSError as exc:
                 self._done.put(partial(self._written, entry, path, None, exc))
             else:
                 self._done.put(partial(self._written, entry, path, size, None))
 
-        self._submit(job)
+        self._submit(job, self._writer)
 
     def _written(self, entry: Saved, path: Path, size: int | None, exc: OSError | None) -> None:
         entry.writing = False
@@ -400,19 +259,19 @@ class SavedStates:
         elif self._entries.get(entry.key) is not entry:
             path.unlink(missing_ok=True)  # forgotten while it was being written
         else:
-            entry.header = tier_files.EntryHeader(
+            entry.header = files.EntryHeader(
                 path, entry.all_token_ids, entry.state_bytes, 0, size
             )
             self._disk[entry.key] = entry
             self._disk_bytes += size
         self._fit()
 
-    def _load(self, entry: Saved, header: tier_files.EntryHeader) -> None:
+    def _load(self, entry: Saved, header: files.EntryHeader) -> None:
         t0 = time.monotonic()
         try:
-            full = tier_files.read_header(header.path, self.config.fingerprint)
-            state = tier_files.read_state(full)
-        except tier_files.EntryError as exc:
+            full = files.read_header(header.path, self.config.fingerprint)
+            state = files.read_state(full)
+        except files.EntryError as exc:
             self._done.put(partial(self._loaded, entry, None, str(exc), 0.0))
         else:
             self._done.put(partial(self._loaded, entry, state, "", time.monotonic() - t0))
@@ -441,15 +300,33 @@ class SavedStates:
             old.pinned = False
         self._fit()
 
-    def _submit(self, job: Callable[[], None]) -> None:
-        if self._io is not None:
-            self._jobs.put(job)
+    @staticmethod
+    def _submit(job: Callable[[], None], worker: _Worker | None) -> None:
+        if worker is not None:
+            worker.jobs.put(job)
         else:
-            job()
+            job()  # no I/O threads (tests): inline, reported through the same queue
 
-    def _io_loop(self) -> None:
+
+class _Worker:
+    """One I/O thread and its queue of jobs, at a CPU priority of its own (Linux nice)."""
+
+    def __init__(self, name: str, nice: int):
+        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._nice = nice
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self._nice:
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         while True:
-            job = self._jobs.get()
+            job = self.jobs.get()
             if job is None:
                 return
             try:
@@ -459,10 +336,6 @@ class SavedStates:
 
 
 _MAX_PINS = 8
-
-
-def _key(tokens: list[int]) -> str:
-    return hashlib.sha256(tier_files.token_bytes(tokens)).hexdigest()[:32]
 
 
 def _touch_file(path: Path) -> None:
