@@ -90,6 +90,16 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
     return history[len(prompt) :]
 
 
+def machine_settings(max_examples: int) -> settings:
+    """Random runs of 50 steps each; slow examples are fine (the pump does real work)."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 class EngineMachine(RuleBasedStateMachine):
     """Over the fake runner; subclasses put a real llama.cpp model under the same traffic."""
 
@@ -260,12 +270,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert not self.runner.samplers, "samplers left behind"
 
 
-EngineMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+EngineMachine.TestCase.settings = machine_settings(200)
 TestEngineStateMachine = EngineMachine.TestCase
 
 
@@ -292,12 +297,7 @@ class SpeculatingEngineMachine(EngineMachine):
             assert len(self.runner.kv[parked.seq_id]) == len(parked.all_token_ids)
 
 
-SpeculatingEngineMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SpeculatingEngineMachine.TestCase.settings = machine_settings(100)
 TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
 
 
@@ -348,10 +348,5 @@ class TieredEngineMachine(EngineMachine):
                 shutil.rmtree(self.folder, ignore_errors=True)
 
 
-TieredEngineMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TieredEngineMachine.TestCase.settings = machine_settings(100)
 TestTieredEngineStateMachine = TieredEngineMachine.TestCase
