@@ -227,11 +227,12 @@ class SavedStates:
             self._disk_bytes += header.file_bytes
             self.index.add(entry)
         self._fit()
-        if kept:
-            log.info(
-                "prefix cache: %d saved prefixes (%.1f MiB) found in %s",
-                len(self._disk), self._disk_bytes / 2**20, folder,
-            )  # fmt: skip
+        log.info(
+            "prefix cache tiers: RAM %.0f MiB, disk %.1f GiB in %s (%d saved prefixes, "
+            "%.1f MiB, from earlier runs)",
+            self.config.ram_bytes / 2**20, self.config.disk_bytes / 2**30, folder,
+            len(self._disk), self._disk_bytes / 2**20,
+        )  # fmt: skip
 
     def _write(self, entry: Saved, state: bytearray) -> None:
         assert self.config.folder is not None
