@@ -203,6 +203,14 @@ class FakeRunner:
             result.logprobs[idx] = logprobs
         del cells[real + len(tokens) - 1 :]
 
+    def close(self) -> None:
+        """As llama.cpp's context is freed on unload: a model loaded again (the same fake
+        runner, a new engine) must not find the old engine's sequences still resident."""
+        self.kv.clear()
+        self.lost_windows.clear()
+        for request_id in list(self.samplers):
+            self.finish_request(request_id)
+
     def trim_sequence(self, seq_id: int, length: int) -> None:
         cells = self.kv.get(seq_id, [])
         if len(cells) < length:
@@ -351,6 +359,7 @@ def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **
     async def unload(served):
         if hasattr(served, "engine"):
             await served.engine.stop()
+            served.engine.core.runner.close()  # a reload starts on an empty context
         if served.embedder is not None:
             await served.embedder.stop()
 

@@ -159,3 +159,20 @@ def test_tokenize_routes_name_their_model(route):
             "model": "beta", "tokens": [97, 98]}
         assert c.post(route, json=body).status_code == 200
         assert c.post(route, json={**body, "model": "nope"}).status_code == 404
+
+
+def test_a_model_loaded_again_starts_on_an_empty_context():
+    """Found by the fuzzer: a request that ran to the context's end left its sequence parked;
+    Ollama's keep_alive 0 unloaded the model and the next request loaded it again. A reload
+    must not find the old engine's sequences resident (llama.cpp frees the context)."""
+    from fastapi.testclient import TestClient
+
+    from tests.factories import fake_app
+
+    with TestClient(fake_app()) as client:
+        body = {"model": "fake", "prompt": "top_logprobs"}  # no max_tokens: to the end
+        assert client.post("/v1/completions", json=body).status_code == 200
+        r = client.post("/api/chat", json={"model": "fake", "messages": [], "keep_alive": 0})
+        assert r.json()["done_reason"] == "unload"
+        again = client.post("/v1/completions", json=body)
+        assert again.status_code == 200, again.text
