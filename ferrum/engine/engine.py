@@ -7,7 +7,6 @@ caller. The runner is any `Runner` (batch.py): llama.cpp's, or the tests' fake.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -326,7 +325,7 @@ class LLMEngine:
         stats.evictions_total = kv.evictions
         stats.window_fallbacks_total = kv.window_fallbacks
         if kv.saved is not None:
-            stats.tiers = copy.deepcopy(kv.saved.snapshot())
+            stats.tiers = kv.saved.snapshot().copy()
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []

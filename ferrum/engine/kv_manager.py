@@ -31,7 +31,7 @@ not by a count: when either runs short they are evicted, least recently used fir
 one frees only its private blocks; blocks a running request shares stay (ref counts), so a
 running request never loses a prefix it depends on.
 
-With tiers (`tiers.py`), an evicted sequence's state is saved first, and a fourth plan joins:
+With tiers (`tiers/`), an evicted sequence's state is saved first, and a fourth plan joins:
 
   restore    new sequence id; a saved state (RAM, or disk read in first while the request
              waits) is put back with llama_state_seq_set_data, then trimmed to the match:

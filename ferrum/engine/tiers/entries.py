@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ferrum.engine.tiers.files import EntryHeader, token_bytes
@@ -60,6 +60,10 @@ class TierStats:
     restored_tokens: int = 0
     failures: int = 0  # loads or restores refused: a fresh prefill instead
     write_failures: int = 0  # files that could not be written (a full disk): RAM only
+
+    def copy(self) -> TierStats:
+        """A copy for observers (published every engine step: two small objects, no deepcopy)."""
+        return replace(self, ram=replace(self.ram), disk=replace(self.disk))
 
 
 @dataclass(frozen=True)

@@ -121,11 +121,11 @@ class SavedStates:
         """llama.cpp refused the state (or its file was bad): forgotten, file deleted."""
         log.warning("saved prefix of %d tokens not restored (%s)", len(entry.all_token_ids), why)
         self.stats.failures += 1
-        self._forget(entry, delete_file=True)
+        self._forget(entry)
 
     def drop(self, entry: Saved) -> None:
         """A shorter entry a new save supersedes (its tokens are a prefix of the new one's)."""
-        self._forget(entry, delete_file=True)
+        self._forget(entry)
 
     def poll(self) -> None:
         """Applies what the I/O thread finished."""
@@ -173,7 +173,7 @@ class SavedStates:
             self._ram_bytes -= entry.state_bytes
             entry.data = None
             if entry.header is None:
-                self._forget(entry, delete_file=False)
+                self._forget(entry)
         for key in list(self._disk):
             if self._disk_bytes <= self.config.disk_bytes:
                 break
@@ -182,9 +182,10 @@ class SavedStates:
                 continue
             self._unfile(entry)
             if entry.data is None:
-                self._forget(entry, delete_file=False)
+                self._forget(entry)
 
-    def _forget(self, entry: Saved, delete_file: bool) -> None:
+    def _forget(self, entry: Saved) -> None:
+        """Out of every tier and the index; its file (if written) deleted."""
         if self._entries.get(entry.key) is not entry:
             return
         del self._entries[entry.key]
@@ -195,8 +196,7 @@ class SavedStates:
         if self._ram.pop(entry.key, None) is not None:
             self._ram_bytes -= entry.state_bytes
         entry.data = None
-        if delete_file or entry.key in self._disk:
-            self._unfile(entry)
+        self._unfile(entry)
 
     def _unfile(self, entry: Saved) -> None:
         if self._disk.pop(entry.key, None) is not None and entry.header is not None:
