@@ -1,6 +1,7 @@
 """`ferrum serve`: flags derived from the config dataclasses, each also `FERRUM_<NAME>`;
 `ferrum pull|list|show|rm|cp|ps`: the model store (`ferrum.models.commands`);
-`ferrum bench`: the benchmark harness (flags and run in `ferrum.bench.command`)."""
+`ferrum bench`: the benchmark harness (flags and run in `ferrum.bench.command`);
+`ferrum cluster`: replicas on Ray Serve behind one ingress (`ferrum.cluster`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from ferrum.bench.command import add_parser as add_bench_parser
+from ferrum.cluster.settings import ClusterConfig, ClusterSettings
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.errors import FerrumError, ModelLoadError
 from ferrum.models import commands as model_commands
@@ -96,6 +98,11 @@ def make_parser() -> argparse.ArgumentParser:
     _add_fields(serve, ModelsConfig)
     _add_fields(serve, EngineConfig)
     _add_fields(serve, ServerConfig)
+    cluster = sub.add_parser(
+        "cluster", help="serve with replicas on Ray Serve, routed to the replica with the prefix"
+    )
+    for cls in (ModelsConfig, EngineConfig, ServerConfig, ClusterConfig):
+        _add_fields(cluster, cls)
     model_commands.add_parsers(sub)
     add_bench_parser(sub)
     return parser
@@ -138,6 +145,17 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: Models
         raise ModelLoadError("the server did not start; see the log above")
 
 
+def _cluster(settings: ClusterSettings) -> None:
+    try:
+        from ferrum.cluster.command import run
+    except ImportError as exc:  # Ray is an optional extra
+        raise ValueError(
+            f"ferrum cluster needs Ray ({exc}): pip install 'ferrum[cluster]'"
+        ) from exc
+    settings.check()
+    run(settings)
+
+
 class _GracefulServer(uvicorn.Server):
     """uvicorn's server, minus its re-raising of SIGTERM/SIGINT after the graceful shutdown
     (which makes the process die with -15): a server stopped on purpose exits 0."""
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         from ferrum.bench.command import run as run_bench
 
         sys.exit(run_bench(args))
-    if args.command != "serve":
+    if args.command not in ("serve", "cluster"):
         sys.exit(model_commands.run(args))
     engine_cfg = _build(EngineConfig, args)
     server_cfg = _build(ServerConfig, args)
@@ -175,7 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _check(engine_cfg, models_cfg)
-        serve(engine_cfg, server_cfg, models_cfg)
+        if args.command == "cluster":
+            _cluster(
+                ClusterSettings(engine_cfg, server_cfg, models_cfg, _build(ClusterConfig, args))
+            )
+        else:
+            serve(engine_cfg, server_cfg, models_cfg)
     except (FerrumError, ValueError, OSError) as exc:
         print(f"ferrum: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from ferrum.engine.outputs import EngineObserver, StepStats
@@ -340,6 +341,33 @@ class _Labelled(Collector):
                 for sample in family.samples:
                     out.samples.append(sample._replace(labels={**sample.labels, "model": name}))
         yield from families.values()
+
+
+class _Parsed(Collector):
+    """Families parsed from several servers' /metrics, each sample labelled with its server."""
+
+    def __init__(self, texts: dict[str, str], label: str):
+        self._texts, self._label = texts, label
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for source, text in self._texts.items():
+            for family in text_string_to_metric_families(text):
+                out = families.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type, family.unit)
+                    families[family.name] = out
+                for sample in family.samples:
+                    labels = {**sample.labels, self._label: source}
+                    out.samples.append(sample._replace(labels=labels))
+        yield from families.values()
+
+
+def merge_replica_metrics(texts: dict[str, str]) -> bytes:
+    """Several replicas' /metrics as one exposition, every sample labelled `replica`."""
+    registry = CollectorRegistry()
+    registry.register(_Parsed(texts, "replica"))
+    return generate_latest(registry)
 
 
 class ServerMetrics:

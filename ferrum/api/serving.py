@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
 from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
+from ferrum.engine.batch import Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
 from ferrum.metrics import ServerMetrics
@@ -70,10 +72,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     the same output, so they are refused together."""
     body.reject_unsupported()
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    if model.system and not any(m["role"] in ("system", "developer") for m in messages):
-        messages.insert(0, {"role": "system", "content": model.system})
-    prompt = model.formatter.tokenize(messages, model.vocab.tokenize, tools.template_tools())
+    prompt = chat_prompt(model.formatter, model.vocab, model.system, body, tools)
     fmt = model.formatter.tool_format
     grammar = model.grammars.for_tools(tools, fmt)
     if grammar is None:
@@ -89,6 +88,22 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
         tool_format=fmt if tools.active else None,
     )
     return Prepared(prompt, kind, grammar)
+
+
+def chat_prompt(
+    formatter: ChatFormatter,
+    vocab: Vocabulary,
+    system: str,
+    body: ChatCompletionRequest,
+    tools: ToolRequest,
+) -> list[int]:
+    """A chat's prompt tokens: its messages (the preset's system prompt first when they bring
+    none) and tools rendered by the template. A cluster's ingress computes the same tokens to
+    route on (`ferrum.cluster.keys`)."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    if system and not any(m["role"] in ("system", "developer") for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
+    return formatter.tokenize(messages, vocab.tokenize, tools.template_tools())
 
 
 def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:

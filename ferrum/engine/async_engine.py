@@ -1,20 +1,23 @@
 """AsyncEngine: runs `LLMEngine` on its own thread and serves it to asyncio code.
 
 The engine thread is the single owner of the engine (and so of llama.cpp and the KV ledger).
-asyncio code only sends commands (add, abort) through a thread-safe queue and reads one
-`RequestStream` per request. Outputs cross back once per engine step, in one
-`call_soon_threadsafe`, so the event loop is woken once per step rather than once per token.
+asyncio code only sends commands (add, abort, a read of the engine's state) through a
+thread-safe queue and reads one `RequestStream` per request. Outputs cross back once per
+engine step, in one `call_soon_threadsafe`, so the event loop is woken once per step rather
+than once per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
@@ -22,6 +25,7 @@ from ferrum.engine.request import FinishReason, SamplingParams
 from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
 log = logging.getLogger("ferrum.engine")
+T = TypeVar("T")
 
 # A step that scheduled nothing while work waits (a saved prefix being read from disk): the
 # next one comes after this pause rather than at once.
@@ -48,6 +52,15 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _Call
 
 
 class RequestStream:
@@ -91,7 +104,7 @@ class AsyncEngine:
         self._gather_quiet_s, self._gather_max_s = gather
         # Requests in flight beyond those that can run at once wait; past this, submit refuses.
         self.capacity = core.scheduler.max_running + max_queue
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -146,6 +159,15 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(_Abort(request_id))
 
+    async def on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """fn's result, run on the engine thread between two steps: the only way other code
+        may read the engine's state (its prefix index, its ledger) while it runs."""
+        if not self.alive or self._stopping:
+            raise ServiceUnavailable("the engine is not running")
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
     # -- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -167,6 +189,7 @@ class AsyncEngine:
             if outputs:
                 self._post(outputs)
         self._post(core.fail_all("server shutting down"))
+        self._refuse_calls()
         try:
             core.shutdown()
         except Exception:  # a stop goes on without what could not be saved
@@ -191,6 +214,8 @@ class AsyncEngine:
             while cmd is not None:
                 if isinstance(cmd, _Add):
                     outputs.extend(self._add(cmd))
+                elif isinstance(cmd, _Call):
+                    _answer(cmd)
                 else:
                     out = self.core.abort(cmd.request_id)
                     if out is not None:
@@ -203,6 +228,16 @@ class AsyncEngine:
         except queue.Empty:
             pass
         return outputs
+
+    def _refuse_calls(self) -> None:
+        """Calls still queued when the engine stops get an error, never silence."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call):
+                cmd.done.set_exception(ServiceUnavailable("the engine is not running"))
 
     def _add(self, cmd: _Add) -> list[RequestOutput]:
         try:
@@ -230,3 +265,10 @@ class AsyncEngine:
             stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+
+def _answer(call: _Call) -> None:
+    try:
+        call.done.set_result(call.fn())
+    except Exception as exc:  # the caller gets the error; the engine goes on
+        call.done.set_exception(exc)

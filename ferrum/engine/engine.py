@@ -17,6 +17,7 @@ from ferrum.engine.kv import BlockManager, IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
+from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
@@ -334,6 +335,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         """At a stop, once no request is left: parked sequences go to the tiers (and disk)."""
         self.kv_manager.save_parked()
+
+    def resident_prefixes(self, limit: int) -> ResidentPrefixes:
+        """At most `limit` hashes of the prefix blocks this engine holds (engine thread)."""
+        kv = self.kv_manager
+        hashes = kv.index.resident_hashes(limit) if kv.prefix_cache else []
+        return ResidentPrefixes(kv.blocks.block_size, tuple(hashes), kv.blocks.usage)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -50,6 +50,16 @@ def _rank(owner: Owner) -> int:
 
 
 @dataclass(frozen=True)
+class ResidentPrefixes:
+    """What an engine holds, compactly: its prefix blocks' chained hashes (running, parked
+    and saved sequences, shallow blocks first) and how full its KV pool is."""
+
+    block_size: int
+    hashes: tuple[int, ...]
+    kv_usage: float
+
+
+@dataclass(frozen=True)
 class Match:
     owner: Owner
     length: int
@@ -77,7 +87,7 @@ class PrefixIndex:
         tokens, bs = owner.all_token_ids, self.block_size
         h = chain[-1] if chain else 0
         for i in range(len(chain), len(tokens) // bs):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            h = _chain(h, tokens[i * bs : (i + 1) * bs])
             chain.append(h)
             self._owners_by_hash.setdefault(h, {})[id(owner)] = owner
 
@@ -87,6 +97,28 @@ class PrefixIndex:
             del owners[id(owner)]
             if not owners:
                 del self._owners_by_hash[h]
+
+    def resident_hashes(self, limit: int) -> list[int]:
+        """The chained hashes of the indexed blocks, shallow blocks first, at most `limit`.
+
+        What a replica tells a cluster's router it holds (`block_hashes` computes the same
+        chain over a prompt). A prompt can only match a block whose predecessors match too, so
+        when the bound cuts, it cuts the deepest blocks: every system prompt and conversation
+        start stays visible.
+        """
+        out: list[int] = []
+        seen: set[int] = set()
+        chains = list(self._chains.values())
+        depth = 0
+        while len(out) < limit and any(depth < len(c) for c in chains):
+            for chain in chains:
+                if depth < len(chain) and chain[depth] not in seen:
+                    seen.add(chain[depth])
+                    out.append(chain[depth])
+                    if len(out) == limit:
+                        break
+            depth += 1
+        return out
 
     def matches(self, tokens: list[int]) -> Iterator[Match]:
         """Every owner sharing at least one full block with `tokens`, longest match first
@@ -98,9 +130,7 @@ class PrefixIndex:
         """
         bs = self.block_size
         levels: list[dict[int, Owner]] = []
-        h = 0
-        for i in range(len(tokens) // bs):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+        for h in block_hashes(tokens, bs):
             owners = self._owners_by_hash.get(h)
             if not owners:
                 break
@@ -119,6 +149,20 @@ class PrefixIndex:
                 found.append(Match(owner, full + _common_prefix(own, tokens, full)))
             found.sort(key=lambda m: (-m.length, _rank(m.owner)))
             yield from found
+
+
+def _chain(previous: int, block: list[int]) -> int:
+    # Python hashes ints and tuples of ints the same in every process (PYTHONHASHSEED salts
+    # only str and bytes), so another process (a cluster's router) computes the same chain.
+    return hash((previous, tuple(block)))
+
+
+def block_hashes(tokens: list[int], block_size: int) -> Iterator[int]:
+    """The chained hash of each full block of `tokens`, as the index keys them (lazily)."""
+    h = 0
+    for i in range(len(tokens) // block_size):
+        h = _chain(h, tokens[i * block_size : (i + 1) * block_size])
+        yield h
 
 
 def _common_prefix(a: list[int], b: list[int], start: int) -> int:

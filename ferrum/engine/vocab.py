@@ -21,6 +21,8 @@ from typing import Any
 import llama_cpp as ll
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from ferrum.errors import ModelLoadError
+
 _GRAMMARS_KEPT = 64
 
 
@@ -141,3 +143,32 @@ class LlamaVocab:
         with self._lock:
             while self._grammars:
                 ll.llama_sampler_free(self._grammars.popitem()[1])
+
+
+class VocabularyFile:
+    """A model file's vocabulary and chat facts without its weights or a context
+    (llama.cpp's vocab-only load: milliseconds, a few MB). A cluster's ingress tokenizes
+    prompts with it to route them, exactly as the replicas' engines will see them."""
+
+    def __init__(self, path: str):
+        ll.llama_backend_init()
+        params = ll.llama_model_default_params()
+        params.vocab_only = True
+        self._model = ll.llama_model_load_from_file(path.encode(), params)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not read the vocabulary of {path}")
+        self.vocab = LlamaVocab(self._model)
+        template = ll.llama_model_chat_template(self._model, None)
+        self.chat_template: str | None = template.decode("utf-8", "replace") if template else None
+        buf = ctypes.create_string_buffer(128)
+        n = ll.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf))
+        self.architecture = buf.value.decode("utf-8", "replace") if n >= 0 else "unknown"
+        self.bos_text = self.vocab.token_text(self.vocab.bos)
+        self.eos_text = self.vocab.token_text(self.vocab.eos)
+        self.add_bos = self.vocab.add_bos
+
+    def close(self) -> None:
+        if self._model is not None:
+            self.vocab.close()
+            ll.llama_model_free(self._model)
+            self._model = None

@@ -1,0 +1,34 @@
+"""The cluster's board: a small Ray actor where each replica leaves its /metrics and /health
+answers every stats period, and the ingress reads them all. A replica that stops posting
+(dead, or scaled down) drops off after `STALE_S`."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+STALE_S = 30.0
+
+
+def board_name(app_name: str) -> str:
+    return f"ferrum-board-{app_name}"
+
+
+@ray.remote(num_cpus=0)
+class Board:
+    def __init__(self) -> None:
+        self._posts: dict[str, tuple[str, str, float]] = {}
+
+    def put(self, replica: str, metrics: str, health: str, at: float) -> None:
+        self._posts[replica] = (metrics, health, at)
+
+    def read(self) -> dict[str, tuple[str, str]]:
+        """Each live replica's (metrics text, health JSON)."""
+        now = time.time()
+        for replica in [r for r, p in self._posts.items() if now - p[2] > STALE_S]:
+            del self._posts[replica]
+        return {r: (m, h) for r, (m, h, _) in self._posts.items()}
+
+    def forget(self, replica: str) -> None:
+        self._posts.pop(replica, None)

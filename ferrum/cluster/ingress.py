@@ -1,0 +1,218 @@
+"""The cluster's HTTP front: the same routes as `ferrum serve`, relayed to the replicas.
+
+Every request is relayed whole to one replica (`FerrumReplica.handle`) through a Ray Serve
+handle whose router (`routers.py`) picks the replica from the request's `RouteKey`; the
+answer streams back as the replica's app sends it. `/metrics` and `/health` are the
+cluster's own: every replica's figures (from the board) with a `replica` label, and the
+cluster's status.
+
+Faults: a replica that fails before answering is tried once more on another (nothing was
+generated yet); one that fails mid-answer ends the stream with an error in the route's own
+dialect (an SSE error event, Ollama's `{"error"}` line), never a hang. A client that hangs
+up cancels the replica's stream, and so its engine requests.
+
+Annotations are evaluated (no `from __future__ import annotations`): FastAPI reads the
+route methods' parameter types after Ray Serve has wrapped them.
+"""
+
+import asyncio
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from ferrum.api.anthropic.errors import error_body as anthropic_error_body
+from ferrum.api.anthropic.errors import speaks_anthropic
+from ferrum.cluster.board import Board, board_name
+from ferrum.cluster.keys import PromptKeys, key_registry, parse_body, route_key
+from ferrum.cluster.policy import RouteKey
+from ferrum.cluster.replica import REPLICA_HEADER, Head, Relayed
+from ferrum.cluster.settings import ClusterSettings
+from ferrum.errors import FerrumError, ServiceUnavailable
+from ferrum.metrics import CONTENT_TYPE, merge_replica_metrics
+from ferrum.models.catalog import serve_specs
+from ferrum.models.presets import load_presets
+from ferrum.models.store import ModelStore, default_models_dir
+from ferrum.models.units import parse_duration
+
+log = logging.getLogger("ferrum.cluster")
+
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
+_PINS_KEPT = 100_000
+_ATTEMPTS = 2
+
+
+class Relay:
+    """The ingress's work, in a plain class: Ray Serve pickles the ingress class by value,
+    and module functions its methods use would not travel with it."""
+
+    def __init__(self, replicas: DeploymentHandle[Any], settings: ClusterSettings):
+        self.replicas = replicas
+        self.settings = settings
+        models = settings.models
+        store = ModelStore(models.models_dir or default_models_dir())
+        specs = serve_specs(models.model, store, load_presets(models.presets))
+        self.keys = key_registry(
+            specs, settings.server.chat_template, parse_duration(models.keep_alive)
+        )
+        self.board = Board.options(  # type: ignore[attr-defined]
+            name=board_name(settings.app_name), get_if_exists=True
+        ).remote()
+        self._pins: OrderedDict[str, str] = OrderedDict()  # response id → replica holding it
+
+    # -- the cluster's own routes -----------------------------------------------------------
+
+    async def metrics(self) -> Response:
+        posts = await self.board.read.remote()
+        text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
+        return Response(text, media_type=CONTENT_TYPE)
+
+    async def health(self) -> JSONResponse:
+        posts = await self.board.read.remote()
+        replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
+        ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
+        body = {"status": "ok" if ok else "error", "replicas": replicas}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    # -- everything else, relayed -----------------------------------------------------------
+
+    async def relay(self, request: Request) -> Response:
+        path = request.url.path
+        body = await request.body()
+        key = await self._key(path, body)
+        relayed = Relayed(
+            request.method, path, request.url.query.encode(), list(request.headers.raw), body
+        )
+        for attempt in range(_ATTEMPTS):
+            stream = cast(
+                DeploymentResponseGenerator[Any],
+                self.replicas.options(stream=True).handle.remote(relayed, route=key),
+            )
+            try:
+                head: Head = await stream.__anext__()
+            except Exception as exc:  # the replica died before answering: nothing was sent
+                stream.cancel()  # type: ignore[no-untyped-call]
+                log.warning(
+                    "replica failed before answering %s (try %d): %s", path, attempt + 1, exc
+                )
+                continue
+            pin_to = _header(head, REPLICA_HEADER) if path.endswith("/responses") else ""
+            response = StreamingResponse(self._body(stream, path, head, pin_to))
+            response.status_code = head.status
+            response.raw_headers = head.headers
+            return response
+        return _error(path, ServiceUnavailable("no replica could answer; retry shortly"))
+
+    async def _key(self, path: str, body: bytes) -> RouteKey:
+        pin = self._pin_for(path, body)
+        if pin:
+            return RouteKey(pin=pin)
+        parsed = parse_body(path, body)
+        if parsed is None:
+            return RouteKey()
+        model, openai_body = parsed
+        keys: PromptKeys | None = None
+        lease = None
+        try:
+            lease = await self.keys.acquire(model)
+            keys = lease.model
+        except Exception:  # noqa: BLE001 - an unknown model: the replica answers the 404
+            pass
+        try:
+            block_size = self.settings.engine.block_size
+            return await asyncio.to_thread(route_key, keys, model, openai_body, block_size)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _pin_for(self, path: str, body: bytes) -> str:
+        """The replica holding a Responses API continuation's history, or a stored response's."""
+        if path.startswith(("/v1/responses/", "/responses/")):
+            return self._pins.get(path.rsplit("/", 1)[-1], "")
+        if path in ("/v1/responses", "/responses") and b"previous_response_id" in body:
+            try:
+                previous = json.loads(body).get("previous_response_id") or ""
+            except (ValueError, AttributeError):
+                return ""
+            return self._pins.get(previous, "")
+        return ""
+
+    async def _body(self, stream: Any, path: str, head: Head, replica: str) -> AsyncIterator[bytes]:
+        """The answer's chunks; `replica`: pin the response id found in them to it."""
+        content_type = _header(head, "content-type")
+        try:
+            async for chunk in stream:
+                if replica:
+                    found = _RESPONSE_ID.search(chunk)
+                    if found:
+                        self._pin(found.group(1).decode(), replica)
+                        replica = ""
+                yield chunk
+        except Exception as exc:  # the replica died mid-answer
+            log.warning("replica failed while answering %s: %s", path, exc)
+            yield _stream_error(
+                path, content_type, f"the replica serving this request failed: {exc}"
+            )
+        finally:
+            stream.cancel()  # a client gone: the replica's engine requests are aborted
+
+    def _pin(self, response_id: str, replica: str) -> None:
+        self._pins[response_id] = replica
+        self._pins.move_to_end(response_id)
+        while len(self._pins) > _PINS_KEPT:
+            self._pins.popitem(last=False)
+
+
+def _header(head: Head, name: str) -> str:
+    return dict(head.headers).get(name.encode(), b"").decode()
+
+
+def _error_body(path: str, exc: FerrumError) -> dict[str, Any]:
+    if speaks_anthropic(path):
+        return anthropic_error_body(exc)
+    if path.startswith("/api/"):
+        return {"error": exc.message}
+    return exc.to_dict()
+
+
+def _error(path: str, exc: FerrumError) -> JSONResponse:
+    return JSONResponse(_error_body(path, exc), status_code=exc.status)
+
+
+def _stream_error(path: str, content_type: str, message: str) -> bytes:
+    """How a stream that already began reports a failure, in the route's dialect."""
+    body = _error_body(path, ServiceUnavailable(message))
+    if "ndjson" in content_type:
+        return (json.dumps(body) + "\n").encode()
+    if "event-stream" in content_type:
+        event = "event: error\n" if speaks_anthropic(path) else ""
+        return f"{event}data: {json.dumps(body)}\n\n".encode()
+    return b""  # a whole answer cut short: the client sees a truncated body
+
+
+http = FastAPI(title="ferrum cluster")
+
+
+@serve.ingress(http)
+class FerrumIngress:
+    def __init__(self, replicas: DeploymentHandle[Any], settings: ClusterSettings):
+        self.relay = Relay(replicas, settings)
+
+    @http.get("/metrics")
+    async def metrics(self) -> Response:
+        return await self.relay.metrics()
+
+    @http.get("/health")
+    async def health(self) -> JSONResponse:
+        return await self.relay.health()
+
+    @http.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def forward(self, request: Request, path: str) -> Response:
+        return await self.relay.relay(request)

@@ -1,0 +1,145 @@
+"""Route keys: what the ingress knows of a request before choosing its replica.
+
+For the generation routes of every dialect (OpenAI chat and completions, Ollama's chat and
+generate, Anthropic's messages, the Responses API's first turns) the body is translated into
+the OpenAI body the replica will serve, and its prompt tokens are computed as a replica
+computes them (`serving.chat_prompt`, the model's template, its vocabulary loaded alone):
+their chained block hashes are the key the prefix router matches against what replicas hold.
+A body that does not parse gets no hashes (the replica it lands on answers the error).
+
+Each model's vocabulary is loaded on first use and unloaded when idle by a `Registry`, as a
+server's models are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from ferrum.api.anthropic.bodies import MessagesBody
+from ferrum.api.anthropic.bodies import chat_request as anthropic_chat
+from ferrum.api.builtin_templates import resolve_template
+from ferrum.api.chat_template import ChatFormatter
+from ferrum.api.ollama.bodies import ChatBody, GenerateBody, generate_request
+from ferrum.api.ollama.bodies import chat_request as ollama_chat
+from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.responses_api.bodies import ResponsesRequest, chat_request, input_messages
+from ferrum.api.serving import chat_prompt
+from ferrum.api.tool_request import ToolRequest
+from ferrum.cluster.policy import RouteKey
+from ferrum.engine.prefix import block_hashes
+from ferrum.engine.vocab import VocabularyFile
+from ferrum.models.registry import ModelSpec, Registry
+
+Body = ChatCompletionRequest | CompletionRequest
+_Translate = Callable[[dict[str, Any]], Body]
+
+
+def _via(cls: type[BaseModel], to_openai: Callable[[Any], Body]) -> _Translate:
+    return lambda raw: to_openai(cls.model_validate(raw))
+
+
+_ROUTES: dict[str, _Translate] = {
+    "/v1/chat/completions": ChatCompletionRequest.model_validate,
+    "/v1/completions": CompletionRequest.model_validate,
+    "/api/chat": _via(ChatBody, ollama_chat),
+    "/api/generate": _via(GenerateBody, generate_request),
+    "/v1/messages": _via(MessagesBody, anthropic_chat),
+    "/v1/responses": _via(ResponsesRequest, lambda b: chat_request(b, input_messages(b, []))),
+}
+
+
+def generation_route(path: str) -> _Translate | None:
+    return _ROUTES.get(path) or _ROUTES.get("/v1" + path)
+
+
+@dataclass
+class PromptKeys:
+    """One model's prompt rendering and tokenizing, as its replicas do it."""
+
+    name: str
+    file: VocabularyFile
+    formatter: ChatFormatter
+    system: str
+
+    @classmethod
+    def load(cls, spec: ModelSpec, server_template: str) -> PromptKeys:
+        file = VocabularyFile(spec.locate())
+        try:
+            template = spec.preset.chat_template or server_template
+            template = resolve_template(template, file.chat_template, file.architecture)
+            formatter = ChatFormatter(template, file.bos_text, file.eos_text, file.add_bos)
+        except Exception:
+            file.close()
+            raise
+        return cls(spec.name, file, formatter, spec.preset.system)
+
+    def tokens(self, body: Body) -> list[int]:
+        if isinstance(body, CompletionRequest):
+            prompt = body.prompt_input()
+            return (
+                self.file.vocab.tokenize(prompt, True, True) if isinstance(prompt, str) else prompt
+            )
+        tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return chat_prompt(self.formatter, self.file.vocab, self.system, body, tools)
+
+
+def prompt_text(body: Body) -> str:
+    """The prompt's text as Ray Serve LLM's router reads it: the messages' contents in order."""
+    if isinstance(body, CompletionRequest):
+        prompt = body.prompt_input()
+        return prompt if isinstance(prompt, str) else ""
+    parts = []
+    for m in body.messages:
+        content = m.model_dump().get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+    return "".join(parts)
+
+
+def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
+    """The model named and the OpenAI body of a generation request, or None (not one, or
+    not valid: the replica answers why)."""
+    translate = generation_route(path)
+    if translate is None:
+        return None
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            return None
+        if path.endswith("/responses") and data.get("previous_response_id"):
+            return None  # its history lives on one replica: pinned, not keyed
+        return str(data.get("model") or ""), translate(data)
+    except Exception:  # noqa: BLE001 - any bad body: no key, the replica explains
+        return None
+
+
+def route_key(keys: PromptKeys | None, model: str, body: Body, block_size: int) -> RouteKey:
+    """The key of a parsed body (computed in a worker thread: rendering and tokenizing)."""
+    text = prompt_text(body)
+    if keys is None:
+        return RouteKey(model, (), text)
+    try:
+        tokens = keys.tokens(body)
+    except Exception:  # noqa: BLE001 - a template that refuses the chat: the replica says so
+        return RouteKey(keys.name, (), text)
+    return RouteKey(keys.name, tuple(block_hashes(tokens, block_size)), text)
+
+
+def key_registry(
+    specs: list[ModelSpec], server_template: str, keep_alive: float
+) -> Registry[PromptKeys]:
+    async def load(spec: ModelSpec) -> PromptKeys:
+        return await asyncio.to_thread(PromptKeys.load, spec, server_template)
+
+    async def unload(keys: PromptKeys) -> None:
+        keys.file.close()
+
+    return Registry(specs, load, unload, keep_alive=keep_alive)

@@ -1,0 +1,195 @@
+"""One ferrum server as a Ray Serve replica.
+
+`FerrumReplica` builds the same app `ferrum serve` runs (`ferrum.server.build_server`: the
+registry, its engines, every API dialect) and serves the ingress's relayed HTTP requests to
+it in process, through ASGI: the answer goes back as a stream whose first item is the status
+and headers (`Head`), then the body's chunks as the app sends them. A client that hangs up
+cancels the stream, which the app sees as a disconnect, so its engine requests are aborted
+as they would be under `ferrum serve`.
+
+Every stats period Ray asks the replica for its routing stats: the chained hashes of the
+prefix blocks each loaded model's engine holds (read on the engine thread, bounded by
+`--route-summary-blocks`), which the prefix router routes on. The replica also leaves its
+/metrics and /health answers on the cluster's board for the ingress to show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from ferrum.api.loaded import ServedModel
+from ferrum.api.serving import ServerState
+from ferrum.cluster.board import board_name
+from ferrum.cluster.policy import RouteKey, encode_hashes
+from ferrum.cluster.routers import PREFIX_KEY
+from ferrum.cluster.settings import ClusterSettings
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.prefix import ResidentPrefixes
+from ferrum.engine.tiers import DEFAULT_CACHE_DIR
+from ferrum.server import build_server
+
+log = logging.getLogger("ferrum.cluster")
+
+REPLICA_HEADER = "x-ferrum-replica"
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """An HTTP request as the ingress received it."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Head:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+
+class FerrumReplica:
+    """The deployment's class (`ferrum.cluster.app` wraps it in `serve.deployment`)."""
+
+    # Ray runs an async constructor on the replica's event loop, where its engines will run.
+    async def __init__(self, settings: ClusterSettings):  # type: ignore[misc]
+        self.settings = settings
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.to_full_id_str()
+        self.short_id = self.replica_id.rsplit("#", 1)[-1]
+        # Each replica on a machine saves its prefixes to a folder of its own (two engines
+        # writing and cleaning one folder would remove each other's files).
+        cache_dir = Path(settings.engine.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        engine = dataclasses.replace(
+            settings.engine, cache_dir=str(cache_dir / f"replica-{context.rank.local_rank}")
+        )
+        self.app, _ = build_server(engine, settings.server, settings.models)
+        self.state: ServerState = self.app.state.ferrum
+        self._board: Any = None
+        # The app's lifespan: registry started, default model loaded (a model that cannot
+        # load fails the replica's start, and `serve.run` with it).
+        self._lifespan: AbstractAsyncContextManager[Any] = self.app.router.lifespan_context(
+            self.app
+        )
+        await self._lifespan.__aenter__()
+
+    async def handle(self, request: Relayed, route: RouteKey | None = None) -> AsyncIterator[Any]:
+        """The app's answer: a `Head`, then body chunks. `route` is the router's (unused here)."""
+        extra = [
+            (REPLICA_HEADER.encode(), self.replica_id.encode()),
+            (b"x-ferrum-replica-pid", str(os.getpid()).encode()),
+        ]
+        async for item in asgi_call(self.app, request, extra):
+            yield item
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        prefixes: dict[str, bytes] = {}
+        limit = self.settings.route_summary_blocks
+        for loaded in self.state.models.loaded():
+            model = loaded.model
+            if isinstance(model, ServedModel) and model.engine.alive:
+                held = await model.engine.on_engine_thread(_reader(model.engine.core, limit))
+                prefixes[loaded.spec.name] = encode_hashes(held.hashes)
+        await self._post_to_board()
+        return {PREFIX_KEY: prefixes}
+
+    async def _post_to_board(self) -> None:
+        """This replica's /metrics and /health, left where the ingress reads them."""
+        try:
+            metrics = await self._get("/metrics")
+            health = await self._get("/health")
+            if self._board is None:
+                self._board = ray.get_actor(board_name(self.settings.app_name))
+            self._board.put.remote(self.short_id, metrics.decode(), health.decode(), time.time())
+        except Exception as exc:  # the board is for display; routing goes on without it
+            self._board = None
+            log.warning("could not post to the cluster board: %s", exc)
+
+    async def _get(self, path: str) -> bytes:
+        headers = []
+        if self.settings.server.api_key:
+            headers.append((b"authorization", f"Bearer {self.settings.server.api_key[0]}".encode()))
+        chunks = []
+        async for item in asgi_call(self.app, Relayed("GET", path, b"", headers, b""), []):
+            if isinstance(item, bytes):
+                chunks.append(item)
+        return b"".join(chunks)
+
+    async def check_health(self) -> None:
+        """Ray restarts a replica whose engine thread has died."""
+        dead = [m.spec.name for m in self.state.models.loaded() if not m.model.alive]
+        if dead:
+            raise RuntimeError(f"engine of {', '.join(dead)} is not running")
+
+    async def __del__(self) -> None:
+        # Scale-down: Ray has already let the replica's requests finish (graceful shutdown).
+        await self._lifespan.__aexit__(None, None, None)
+
+
+def _reader(core: LLMEngine, limit: int) -> Callable[[], ResidentPrefixes]:
+    return lambda: core.resident_prefixes(limit)
+
+
+async def asgi_call(
+    app: Any, request: Relayed, extra_headers: list[tuple[bytes, bytes]]
+) -> AsyncIterator[Any]:
+    """Runs one HTTP request through an ASGI app in process: a `Head`, then body chunks."""
+    sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    body_given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_given
+        if not body_given:
+            body_given = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        await sent.put(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query,
+        "root_path": "",
+        "headers": request.headers,
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+    }
+    task = asyncio.create_task(app(scope, receive, send))
+    task.add_done_callback(lambda _: sent.put_nowait(None))
+    try:
+        while (message := await sent.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield Head(message["status"], list(message.get("headers", [])) + extra_headers)
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    break
+    finally:
+        gone.set()  # the app sees a disconnect if it still waits on its client
+        with contextlib.suppress(Exception):  # the answer has ended either way
+            await asyncio.wait_for(task, timeout=5)
