@@ -55,13 +55,13 @@ def build_app(settings: ClusterSettings) -> Application:
         )
     else:
         options["num_replicas"] = c.replicas
-    replicas = serve.deployment(**options)(FerrumReplica).bind(settings)
+    replicas = serve.deployment(**options)(FerrumReplica).bind(settings.without_scale())
     ingress = serve.deployment(
         name="FerrumIngress",
         max_ongoing_requests=1_000_000,  # a relay: limits are the replicas'
         ray_actor_options={"num_cpus": 0},
     )(FerrumIngress)
-    app: Application = ingress.bind(replicas, settings)
+    app: Application = ingress.bind(replicas, settings.without_scale())
     return app
 
 

@@ -1,14 +1,12 @@
 """The cluster's board: a small Ray actor where each replica leaves its /metrics and /health
 answers every stats period, and the ingress reads them all. A replica that stops posting
-(dead, or scaled down) drops off after `STALE_S`."""
+(dead, or scaled down) drops off after a few missed periods."""
 
 from __future__ import annotations
 
 import time
 
 import ray
-
-STALE_S = 30.0
 
 
 def board_name(app_name: str) -> str:
@@ -23,12 +21,9 @@ class Board:
     def put(self, replica: str, metrics: str, health: str, at: float) -> None:
         self._posts[replica] = (metrics, health, at)
 
-    def read(self) -> dict[str, tuple[str, str]]:
-        """Each live replica's (metrics text, health JSON)."""
+    def read(self, max_age: float) -> dict[str, tuple[str, str]]:
+        """Each replica's (metrics text, health JSON), if posted in the last `max_age` s."""
         now = time.time()
-        for replica in [r for r, p in self._posts.items() if now - p[2] > STALE_S]:
+        for replica in [r for r, p in self._posts.items() if now - p[2] > max_age]:
             del self._posts[replica]
         return {r: (m, h) for r, (m, h, _) in self._posts.items()}
-
-    def forget(self, replica: str) -> None:
-        self._posts.pop(replica, None)

@@ -26,6 +26,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ferrum.api.anthropic.errors import error_body as anthropic_error_body
@@ -62,20 +63,34 @@ class Relay:
         self.keys = key_registry(
             specs, settings.server.chat_template, parse_duration(models.keep_alive)
         )
-        self.board = Board.options(  # type: ignore[attr-defined]
-            name=board_name(settings.app_name), get_if_exists=True
-        ).remote()
+        self.board = self._board()
         self._pins: OrderedDict[str, str] = OrderedDict()  # response id → replica holding it
 
     # -- the cluster's own routes -----------------------------------------------------------
 
+    def _board(self) -> Any:
+        return Board.options(  # type: ignore[attr-defined]
+            name=board_name(self.settings.app_name), get_if_exists=True
+        ).remote()
+
+    async def _posts(self) -> dict[str, tuple[str, str]]:
+        """What the replicas posted. A board gone with the ingress that made it (a redeploy)
+        is made again; replicas post to it within a stats period."""
+        max_age = 3 * self.settings.cluster.stats_period + 2.0
+        try:
+            posts: dict[str, tuple[str, str]] = await self.board.read.remote(max_age)
+        except RayActorError:
+            self.board = self._board()
+            posts = await self.board.read.remote(max_age)
+        return posts
+
     async def metrics(self) -> Response:
-        posts = await self.board.read.remote()
+        posts = await self._posts()
         text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
 
     async def health(self) -> JSONResponse:
-        posts = await self.board.read.remote()
+        posts = await self._posts()
         replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
         body = {"status": "ok" if ok else "error", "replicas": replicas}

@@ -115,7 +115,9 @@ class FerrumReplica:
             health = await self._get("/health")
             if self._board is None:
                 self._board = ray.get_actor(board_name(self.settings.app_name))
-            self._board.put.remote(self.short_id, metrics.decode(), health.decode(), time.time())
+            await self._board.put.remote(
+                self.short_id, metrics.decode(), health.decode(), time.time()
+            )
         except Exception as exc:  # the board is for display; routing goes on without it
             self._board = None
             log.warning("could not post to the cluster board: %s", exc)

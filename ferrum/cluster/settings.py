@@ -3,6 +3,7 @@ the ingress are built from."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,14 @@ class ClusterSettings:
     @property
     def route_summary_blocks(self) -> int:
         return self.cluster.route_summary_blocks
+
+    def without_scale(self) -> ClusterSettings:
+        """The settings a replica and the ingress are built from: the replica count left out,
+        so that scaling changes only the count (Ray restarts every replica whose
+        constructor's arguments change)."""
+        scale = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests")
+        defaults = {name: getattr(ClusterConfig, name) for name in scale}
+        return dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, **defaults))
 
     def check(self) -> None:
         c = self.cluster

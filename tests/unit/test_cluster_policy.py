@@ -1,0 +1,185 @@
+"""The cluster's routing: the policies (pure), and the engine's side of it (the block hashes
+a replica reports are the ones the ingress computes for the same tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+from ferrum.cluster.policy import (
+    Candidate,
+    PrefixAffinity,
+    RouteKey,
+    TextPrefixAffinity,
+    decode_hashes,
+    encode_hashes,
+    pinned,
+    power_of_two,
+)
+from ferrum.engine.async_engine import AsyncEngine
+from ferrum.engine.prefix import Parked, PrefixIndex, block_hashes
+from ferrum.errors import ServiceUnavailable
+from tests.factories import FakeRunner, byte_tokenize, fake_engine, sampling
+
+BS = 4
+
+
+def key(tokens: list[int], model: str = "m") -> RouteKey:
+    return RouteKey(model, tuple(block_hashes(tokens, BS)))
+
+
+def loads(**in_flight: int) -> list[Candidate]:
+    return [Candidate(r, n) for r, n in in_flight.items()]
+
+
+def test_hashes_travel_as_bytes():
+    hashes = [hash((0, (1, 2))), -5, 2**63 - 1, -(2**63)]
+    assert decode_hashes(encode_hashes(hashes)) == frozenset(hashes)
+
+
+def test_the_index_reports_the_hashes_the_ingress_computes():
+    index = PrefixIndex(BS)
+    tokens = list(range(1, 23))  # 5 full blocks and 2 tokens
+    index.add(Parked(1, tokens))
+    assert index.resident_hashes(100) == list(block_hashes(tokens, BS))
+    assert len(index.resident_hashes(100)) == 5
+
+
+def test_a_bounded_summary_keeps_the_shallow_blocks_of_every_owner():
+    index = PrefixIndex(BS)
+    a, b = list(range(100, 140)), list(range(200, 240))  # 10 blocks each
+    index.add(Parked(1, a))
+    index.add(Parked(2, b))
+    held = index.resident_hashes(6)
+    assert held[:2] == [next(block_hashes(a, BS)), next(block_hashes(b, BS))]
+    assert set(held) == set(list(block_hashes(a, BS))[:3] + list(block_hashes(b, BS))[:3])
+
+
+def test_shared_blocks_are_reported_once():
+    index = PrefixIndex(BS)
+    system = list(range(8))
+    index.add(Parked(1, system + [50, 51, 52, 53]))
+    index.add(Parked(2, system + [60, 61, 62, 63]))
+    held = index.resident_hashes(100)
+    assert len(held) == len(set(held)) == 4
+
+
+def test_the_longest_holder_wins():
+    policy = PrefixAffinity(rng=random.Random(0))
+    system, chat = list(range(16)), list(range(100, 116))
+    policy.observe("a", {"m": frozenset(block_hashes(system, BS))})
+    policy.observe("b", {"m": frozenset(block_hashes(system + chat, BS))})
+    ranks = policy.choose(key(system + chat + [7] * 8), loads(a=0, b=2))
+    assert ranks[0] == ["b"]
+    assert policy.choose(key(system + [9] * 16), loads(a=0, b=2))[0] == ["a"]  # a: less loaded
+
+
+def test_an_overloaded_holder_is_passed_over():
+    policy = PrefixAffinity(imbalance=4, rng=random.Random(0))
+    tokens = list(range(32))
+    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS))})
+    assert policy.choose(key(tokens), loads(a=4, b=0))[0] == ["a"]
+    ranks = policy.choose(key(tokens), loads(a=5, b=0))
+    assert ranks == [["b", "a"]]  # power of two: the less loaded first
+
+
+def test_other_models_blocks_do_not_count():
+    policy = PrefixAffinity(rng=random.Random(0))
+    tokens = list(range(32))
+    policy.observe("a", {"other": frozenset(block_hashes(tokens, BS))})
+    assert policy.matched_blocks("a", key(tokens), now=0.0) == 0
+
+
+def test_what_the_router_sent_counts_until_summaries_catch_up():
+    policy = PrefixAffinity(recent_s=10.0, rng=random.Random(0))
+    turn1 = list(range(40))
+    policy.routed("b", key(turn1), now=100.0)
+    turn2 = key(turn1 + list(range(500, 520)))
+    assert policy.choose(turn2, loads(a=0, b=1), now=105.0)[0] == ["b"]
+    assert policy.matched_blocks("b", turn2, now=111.0) == 0  # expired
+    policy.observe("b", {"m": frozenset(block_hashes(turn1, BS))})
+    assert policy.matched_blocks("b", turn2, now=111.0) == 10
+
+
+def test_a_forgotten_replica_holds_nothing():
+    policy = PrefixAffinity(rng=random.Random(0))
+    tokens = list(range(32))
+    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS))})
+    policy.routed("a", key(tokens), now=0.0)
+    policy.forget("a")
+    assert policy.matched_blocks("a", key(tokens), now=0.0) == 0
+
+
+def test_no_match_is_power_of_two():
+    policy = PrefixAffinity(rng=random.Random(1))
+    seen = set()
+    for _ in range(50):
+        ranks = policy.choose(key(list(range(32))), loads(a=1, b=1, c=1))
+        assert len(ranks) == 1 and len(ranks[0]) == 2
+        seen.add(tuple(sorted(ranks[0])))
+    assert len(seen) == 3  # every pair gets drawn
+
+
+def test_power_of_two_puts_the_less_loaded_first():
+    rank = power_of_two(loads(a=3, b=1), random.Random(0))
+    assert rank == [["b", "a"]]
+    assert power_of_two([], random.Random(0)) == []
+
+
+def test_a_pin_wins_while_its_replica_lives():
+    assert pinned(RouteKey(pin="b"), loads(a=0, b=9)) == [["b"]]
+    assert pinned(RouteKey(pin="gone"), loads(a=0, b=9)) is None
+    assert pinned(RouteKey(), loads(a=0)) is None
+
+
+def test_text_policy_follows_the_longest_text_match():
+    policy = TextPrefixAffinity(rng=random.Random(0))
+    system = "You are a helpful assistant who answers in French. " * 4
+    policy.routed("a", RouteKey(text=system + "Question one?"))
+    ranks = policy.choose(RouteKey(text=system + "Question two?"), loads(a=3, b=0))
+    assert ranks == [["a"]]  # balanced by default (infinite threshold): the match wins
+
+
+def test_text_policy_below_the_match_rate_goes_to_the_smallest_tree():
+    policy = TextPrefixAffinity(rng=random.Random(0))
+    policy.routed("a", RouteKey(text="x" * 400))
+    ranks = policy.choose(RouteKey(text="y" * 400), loads(a=0, b=0))
+    assert ranks == [["b"]]
+
+
+def test_text_policy_imbalance_is_power_of_two():
+    policy = TextPrefixAffinity(imbalanced_threshold=2, rng=random.Random(0))
+    policy.routed("a", RouteKey(text="z" * 400))
+    ranks = policy.choose(RouteKey(text="z" * 400), loads(a=5, b=0))
+    assert ranks == [["b", "a"]]
+
+
+def test_the_engine_reports_what_it_holds():
+    engine = fake_engine(FakeRunner(), block_size=BS)
+    prompt = byte_tokenize("a prompt long enough for several blocks")
+    engine.add_request("r", prompt, sampling(max_tokens=2), True)
+    while engine.has_work:
+        engine.step()
+    held = engine.resident_prefixes(1000)
+    assert held.block_size == BS
+    assert set(block_hashes(prompt, BS)) <= set(held.hashes)
+    assert fake_engine(FakeRunner(), prefix_cache=False).resident_prefixes(10).hashes == ()
+
+
+def test_a_call_runs_on_the_engine_thread_and_is_refused_once_stopped():
+    async def scenario() -> None:
+        front = AsyncEngine(fake_engine(FakeRunner()))
+        front.start()
+        name = await front.on_engine_thread(lambda: threading.current_thread().name)
+        assert name == "ferrum-engine"
+        with pytest.raises(ZeroDivisionError):
+            await front.on_engine_thread(lambda: 1 // 0)
+        assert front.alive  # an error in a call does not stop the engine
+        await front.stop()
+        with pytest.raises(ServiceUnavailable):
+            await front.on_engine_thread(lambda: None)
+
+    asyncio.run(scenario())
