@@ -87,7 +87,8 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _error_response(exc: FerrumError, path: str) -> JSONResponse:
+def error_response(exc: FerrumError, path: str) -> JSONResponse:
+    """An error in the shape of the API its path belongs to (Anthropic's or OpenAI's)."""
     if speaks_anthropic(path):
         return anthropic_error(exc)
     headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
@@ -99,24 +100,31 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _ferrum(request: Request, exc: FerrumError) -> JSONResponse:
         if isinstance(exc, ClientGone):
             log.info("%s %s: %s", request.method, request.url.path, exc.message)
-        return _error_response(exc, request.url.path)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(invalid_request(exc.errors()), request.url.path)
+        return error_response(invalid_request(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            return _error_response(NotFound("no such route"), request.url.path)
+            return error_response(NotFound("no such route"), request.url.path)
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
-        return _error_response(err, request.url.path)
+        return error_response(err, request.url.path)
 
 
-def _check_api_key(state: ServerState, request: Request) -> None:
+def check_gate(api_keys: tuple[str, ...], public_metrics: bool, request: Request) -> None:
+    """The API key and the body size, as every route checks them first (a cluster's ingress
+    too, before it reads a body)."""
+    _check_api_key(api_keys, public_metrics, request)
+    _check_body_size(request)
+
+
+def _check_api_key(api_keys: tuple[str, ...], public_metrics: bool, request: Request) -> None:
     path = request.url.path
-    if not state.api_keys or path == "/health" or (path == "/metrics" and state.public_metrics):
+    if not api_keys or path == "/health" or (path == "/metrics" and public_metrics):
         return
     scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
     # A bearer token (OpenAI's clients) or x-api-key (Anthropic's); compare_digest against
@@ -127,7 +135,7 @@ def _check_api_key(state: ServerState, request: Request) -> None:
         hmac.compare_digest(key.encode(), k.encode())
         for key in given
         if key is not None
-        for k in state.api_keys
+        for k in api_keys
     )
     if not ok:
         raise AuthenticationError("invalid or missing API key")
@@ -154,10 +162,9 @@ class _Gate:
         if scope["type"] == "http":
             request = Request(scope)
             try:
-                _check_api_key(self.state, request)
-                _check_body_size(request)
+                check_gate(self.state.api_keys, self.state.public_metrics, request)
             except FerrumError as exc:
-                await _error_response(exc, request.url.path)(scope, receive, send)
+                await error_response(exc, request.url.path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

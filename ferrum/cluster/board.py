@@ -18,8 +18,9 @@ class Board:
     def __init__(self) -> None:
         self._posts: dict[str, tuple[str, str, float]] = {}
 
-    def put(self, replica: str, metrics: str, health: str, at: float) -> None:
-        self._posts[replica] = (metrics, health, at)
+    def put(self, replica: str, metrics: str, health: str) -> None:
+        # Stamped with the board's clock: replicas on other nodes may keep other times.
+        self._posts[replica] = (metrics, health, time.time())
 
     def read(self, max_age: float) -> dict[str, tuple[str, str]]:
         """Each replica's (metrics text, health JSON), if posted in the last `max_age` s."""

@@ -8,18 +8,16 @@ import os
 import signal
 import threading
 
+import ray
+from ray import serve
+
+from ferrum.cluster.app import build_app
 from ferrum.cluster.settings import ClusterSettings
 
 log = logging.getLogger("ferrum.cluster")
 
 
 def run(settings: ClusterSettings) -> None:
-    import ray
-    from ray import serve
-
-    from ferrum.cluster.app import build_app
-
-    settings.check()
     c = settings.cluster
     per_replica = c.replica_cpus or settings.engine.resolved_threads()
     replicas = max(c.replicas, c.max_replicas)
@@ -42,11 +40,12 @@ def run(settings: ClusterSettings) -> None:
             logging_level=logging.WARNING,
         )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
         serve.run(build_app(settings), name=c.app_name, route_prefix="/")
+        # Only now: until the application runs, Ctrl-C interrupts the deployment itself.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         log.info(
             "ferrum cluster: %s on http://%s:%d (%s router)",
             f"{c.min_replicas}-{c.max_replicas} replicas"

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -26,13 +27,21 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ferrum.api.anthropic.errors import error_body as anthropic_error_body
 from ferrum.api.anthropic.errors import speaks_anthropic
+from ferrum.api.app import check_gate, error_response
 from ferrum.cluster.board import Board, board_name
-from ferrum.cluster.keys import PromptKeys, key_registry, parse_body, route_key
+from ferrum.cluster.keys import (
+    PromptKeys,
+    generation_route,
+    key_registry,
+    parse_body,
+    prompt_text,
+    route_key,
+)
 from ferrum.cluster.policy import RouteKey
 from ferrum.cluster.replica import REPLICA_HEADER, Head, Relayed
 from ferrum.cluster.settings import ClusterSettings
@@ -40,6 +49,7 @@ from ferrum.errors import FerrumError, ServiceUnavailable
 from ferrum.metrics import CONTENT_TYPE, merge_replica_metrics
 from ferrum.models.catalog import serve_specs
 from ferrum.models.presets import load_presets
+from ferrum.models.registry import Lease
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration
 
@@ -63,6 +73,8 @@ class Relay:
         self.keys = key_registry(
             specs, settings.server.chat_template, parse_duration(models.keep_alive)
         )
+        self._keys_started = False
+        self._no_keys: dict[str, float] = {}  # model → until when it is not tried again
         self.board = self._board()
         self._pins: OrderedDict[str, str] = OrderedDict()  # response id → replica holding it
 
@@ -84,7 +96,11 @@ class Relay:
             posts = await self.board.read.remote(max_age)
         return posts
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        try:
+            check_gate(self.settings.server.api_key, self.settings.server.public_metrics, request)
+        except FerrumError as exc:
+            return _error(request.url.path, exc)
         posts = await self._posts()
         text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
@@ -100,24 +116,34 @@ class Relay:
 
     async def relay(self, request: Request) -> Response:
         path = request.url.path
+        try:  # the key and size first, as `ferrum serve` checks them, before any work
+            check_gate(self.settings.server.api_key, self.settings.server.public_metrics, request)
+        except FerrumError as exc:
+            return _error(path, exc)
         body = await request.body()
         key = await self._key(path, body)
         relayed = Relayed(
             request.method, path, request.url.query.encode(), list(request.headers.raw), body
         )
-        for attempt in range(_ATTEMPTS):
+        # Only a generation is tried again: a pull or a delete may have happened already.
+        attempts = _ATTEMPTS if generation_route(path) is not None else 1
+        for attempt in range(attempts):
             stream = cast(
                 DeploymentResponseGenerator[Any],
                 self.replicas.options(stream=True).handle.remote(relayed, route=key),
             )
             try:
                 head: Head = await stream.__anext__()
-            except Exception as exc:  # the replica died before answering: nothing was sent
+            except (RayActorError, ActorUnavailableError) as exc:  # nothing reached the client
                 stream.cancel()  # type: ignore[no-untyped-call]
                 log.warning(
                     "replica failed before answering %s (try %d): %s", path, attempt + 1, exc
                 )
                 continue
+            except Exception:
+                stream.cancel()  # type: ignore[no-untyped-call]
+                log.exception("replica could not answer %s", path)
+                break
             pin_to = _header(head, REPLICA_HEADER) if path.endswith("/responses") else ""
             response = StreamingResponse(self._body(stream, path, head, pin_to))
             response.status_code = head.status
@@ -129,23 +155,36 @@ class Relay:
         pin = self._pin_for(path, body)
         if pin:
             return RouteKey(pin=pin)
-        parsed = parse_body(path, body)
+        router = self.settings.cluster.router
+        parsed = parse_body(path, body) if router != "pow2" else None
         if parsed is None:
             return RouteKey()
         model, openai_body = parsed
-        keys: PromptKeys | None = None
-        lease = None
-        try:
-            lease = await self.keys.acquire(model)
-            keys = lease.model
-        except Exception:  # noqa: BLE001 - an unknown model: the replica answers the 404
-            pass
+        if router == "text-prefix":
+            return RouteKey(model, (), prompt_text(openai_body))
+        lease = await self._keys_for(model)
+        if lease is None:
+            return RouteKey(model)
         try:
             block_size = self.settings.engine.block_size
-            return await asyncio.to_thread(route_key, keys, model, openai_body, block_size)
+            return await asyncio.to_thread(route_key, lease.model, openai_body, block_size)
         finally:
-            if lease is not None:
-                lease.release()
+            lease.release()
+
+    async def _keys_for(self, model: str) -> Lease[PromptKeys] | None:
+        """The model's prompt keys, loaded on first use; None for a model that cannot load
+        here (unknown: the replica answers the 404), not tried again for a minute."""
+        if not self._keys_started:
+            self.keys.start()  # the reaper: idle vocabularies are unloaded
+            self._keys_started = True
+        if time.monotonic() < self._no_keys.get(model, 0.0):
+            return None
+        try:
+            return await self.keys.acquire(model)
+        except Exception as exc:  # noqa: BLE001 - routing goes on without a key
+            log.warning("no route keys for model %r: %s", model, exc)
+            self._no_keys[model] = time.monotonic() + 60.0
+            return None
 
     def _pin_for(self, path: str, body: bytes) -> str:
         """The replica holding a Responses API continuation's history, or a stored response's."""
@@ -198,7 +237,9 @@ def _error_body(path: str, exc: FerrumError) -> dict[str, Any]:
 
 
 def _error(path: str, exc: FerrumError) -> JSONResponse:
-    return JSONResponse(_error_body(path, exc), status_code=exc.status)
+    if path.startswith("/api/"):  # Ollama's shape, as its routes answer their errors
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
+    return error_response(exc, path)
 
 
 def _stream_error(path: str, content_type: str, message: str) -> bytes:
@@ -221,8 +262,8 @@ class FerrumIngress:
         self.relay = Relay(replicas, settings)
 
     @http.get("/metrics")
-    async def metrics(self) -> Response:
-        return await self.relay.metrics()
+    async def metrics(self, request: Request) -> Response:
+        return await self.relay.metrics(request)
 
     @http.get("/health")
     async def health(self) -> JSONResponse:

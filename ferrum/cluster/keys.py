@@ -121,16 +121,14 @@ def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
         return None
 
 
-def route_key(keys: PromptKeys | None, model: str, body: Body, block_size: int) -> RouteKey:
-    """The key of a parsed body (computed in a worker thread: rendering and tokenizing)."""
-    text = prompt_text(body)
-    if keys is None:
-        return RouteKey(model, (), text)
+def route_key(keys: PromptKeys, body: Body, block_size: int) -> RouteKey:
+    """The prefix router's key of a parsed body: its prompt's block hashes (call it in a
+    worker thread: rendering and tokenizing take CPU time)."""
     try:
         tokens = keys.tokens(body)
     except Exception:  # noqa: BLE001 - a template that refuses the chat: the replica says so
-        return RouteKey(keys.name, (), text)
-    return RouteKey(keys.name, tuple(block_hashes(tokens, block_size)), text)
+        return RouteKey(keys.name)
+    return RouteKey(keys.name, tuple(block_hashes(tokens, block_size)))
 
 
 def key_registry(

@@ -4,8 +4,8 @@ tested alone and simulated with any number of replicas (`bench/simulate_router.p
 - `PrefixAffinity`, ferrum's: each replica publishes the chained hashes of the prefix blocks
   its engine holds (`ferrum.engine.prefix.ResidentPrefixes`); the ingress hashes the request's
   prompt tokens the same way (`RouteKey.hashes`). The request goes to the replica holding the
-  longest run of its blocks, unless that replica has `imbalance` more requests in flight than
-  the least loaded, then to the less loaded of two drawn at random (power of two choices).
+  longest run of its blocks, unless that replica has `imbalance` or more requests in flight
+  beyond the least loaded's, then to the less loaded of two drawn at random (power of two choices).
   Summaries arrive every stats period, so what the router itself sent in the last
   `recent_s` counts as held too: a conversation's next turn, sent right after the last one
   ended, goes where it went before.
@@ -28,7 +28,7 @@ import random
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 # Both sides encode hashes as signed 64-bit ints; Python's hash of a tuple fits one.
@@ -87,6 +87,10 @@ def _imbalanced(candidates: Sequence[Candidate], threshold: float) -> bool:
 
 
 class PrefixAffinity:
+    """Kept as an inverted index (block hash → replicas holding it), so a decision walks the
+    prompt's blocks once, whatever the number of replicas, and a new summary costs only
+    its difference from the one before."""
+
     def __init__(
         self,
         imbalance: int = 4,
@@ -98,31 +102,56 @@ class PrefixAffinity:
         self.recent_s = recent_s
         self.max_recent = max_recent
         self._rng = rng or random.Random()
-        # replica → model → hashes it reported holding
-        self._resident: dict[str, dict[str, frozenset[int]]] = {}
-        # (replica, model, hash) → when this router sent a prompt with that block there
-        self._recent: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        self._resident: dict[str, dict[str, frozenset[int]]] = {}  # replica → model → hashes
+        self._holders: dict[tuple[str, int], set[str]] = {}  # (model, hash) → replicas
+        # (model, hash) → replica → when this router sent a prompt with that block there
+        self._recent: OrderedDict[tuple[str, int], dict[str, float]] = OrderedDict()
 
     def observe(self, replica: str, summaries: Mapping[str, frozenset[int]]) -> None:
         """A replica's latest summary, per model: it replaces the one before."""
+        before = self._resident.get(replica, {})
+        for model in set(before) | set(summaries):
+            old, new = before.get(model, frozenset()), summaries.get(model, frozenset())
+            for h in old - new:
+                self._drop_holder((model, h), replica)
+            for h in new - old:
+                self._holders.setdefault((model, h), set()).add(replica)
         self._resident[replica] = dict(summaries)
+
+    def _drop_holder(self, k: tuple[str, int], replica: str) -> None:
+        holders = self._holders.get(k)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[k]
 
     def forget(self, replica: str) -> None:
         """A replica gone (dead, or scaled down): nothing of it is routed to any more."""
-        self._resident.pop(replica, None)
-        for k in [k for k in self._recent if k[0] == replica]:
-            del self._recent[k]
+        for model, hashes in self._resident.pop(replica, {}).items():
+            for h in hashes:
+                self._drop_holder((model, h), replica)
+        for sent in self._recent.values():
+            sent.pop(replica, None)
+
+    def _holding(self, model: str, h: int, now: float) -> set[str]:
+        held = set(self._holders.get((model, h), ()))
+        for replica, at in self._recent.get((model, h), {}).items():
+            if now - at <= self.recent_s:
+                held.add(replica)
+        return held
+
+    def longest(self, key: RouteKey, among: set[str], now: float) -> tuple[int, set[str]]:
+        """How many leading blocks of the prompt the best replicas hold, and which they are."""
+        depth, best = 0, set[str]()
+        for h in key.hashes:
+            holding = self._holding(key.model, h, now) & (best or among)
+            if not holding:
+                break
+            depth, best = depth + 1, holding
+        return depth, best
 
     def matched_blocks(self, replica: str, key: RouteKey, now: float) -> int:
-        held = self._resident.get(replica, {}).get(key.model, frozenset())
-        n = 0
-        for h in key.hashes:
-            if h not in held:
-                sent = self._recent.get((replica, key.model, h))
-                if sent is None or now - sent > self.recent_s:
-                    break
-            n += 1
-        return n
+        return self.longest(key, {replica}, now)[0]
 
     def choose(
         self, key: RouteKey, candidates: Sequence[Candidate], now: float | None = None
@@ -131,56 +160,31 @@ class PrefixAffinity:
             return []
         now = time.monotonic() if now is None else now
         if key.hashes:
-            matched = {c.replica: self.matched_blocks(c.replica, key, now) for c in candidates}
-            best = max(matched.values())
-            if best > 0:
+            depth, best = self.longest(key, {c.replica for c in candidates}, now)
+            if depth > 0:
                 least = min(c.in_flight for c in candidates)
-                holders = sorted(
-                    (c for c in candidates if matched[c.replica] == best),
-                    key=lambda c: c.in_flight,
+                holder = min(
+                    (c for c in candidates if c.replica in best), key=lambda c: c.in_flight
                 )
-                if holders[0].in_flight - least <= self.imbalance:
+                if holder.in_flight - least < self.imbalance:
                     rest = sorted(
-                        (c for c in candidates if c is not holders[0]),
-                        key=lambda c: (-matched[c.replica], c.in_flight),
+                        (c for c in candidates if c is not holder), key=lambda c: c.in_flight
                     )
-                    return [[holders[0].replica], [c.replica for c in rest]]
+                    return [[holder.replica], [c.replica for c in rest]]
         return power_of_two(candidates, self._rng)
 
     def routed(self, replica: str, key: RouteKey, now: float | None = None) -> None:
         """The request went to `replica`: its blocks will be there before any summary says so."""
         now = time.monotonic() if now is None else now
         for h in key.hashes:
-            k = (replica, key.model, h)
-            self._recent[k] = now
+            k = (key.model, h)
+            self._recent.setdefault(k, {})[replica] = now
             self._recent.move_to_end(k)
         while len(self._recent) > self.max_recent:
             self._recent.popitem(last=False)
 
 
-class _TextTree:
-    """One replica's texts as chained hashes of 16-character chunks, with a character count."""
-
-    def __init__(self) -> None:
-        self.chunks: set[int] = set()
-        self.chars = 0
-
-    def insert(self, text: str) -> None:
-        for h in _text_chunks(text):
-            if h not in self.chunks:
-                self.chunks.add(h)
-                self.chars += _TEXT_CHUNK
-
-    def match(self, text: str) -> int:
-        n = 0
-        for h in _text_chunks(text):
-            if h not in self.chunks:
-                break
-            n += _TEXT_CHUNK
-        return n
-
-
-def _text_chunks(text: str) -> Iterable[int]:
+def _text_chunks(text: str) -> Iterator[int]:
     h = 0
     for i in range(0, len(text) - _TEXT_CHUNK + 1, _TEXT_CHUNK):
         h = hash((h, text[i : i + _TEXT_CHUNK]))
@@ -188,6 +192,9 @@ def _text_chunks(text: str) -> Iterable[int]:
 
 
 class TextPrefixAffinity:
+    """One tree for all replicas, as Ray's: chained 16-character chunk hashes, each with the
+    replicas it was sent to, and each replica's character count."""
+
     def __init__(
         self,
         imbalanced_threshold: float = float("inf"),
@@ -197,30 +204,36 @@ class TextPrefixAffinity:
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self._rng = rng or random.Random()
-        self._trees: dict[str, _TextTree] = {}
-
-    def add(self, replica: str) -> None:
-        self._trees.setdefault(replica, _TextTree())
+        self._tenants: dict[int, set[str]] = {}  # chunk hash → replicas sent that text
+        self._chars: dict[str, int] = {}  # replica → characters of its texts
 
     def forget(self, replica: str) -> None:
-        self._trees.pop(replica, None)
+        self._chars.pop(replica, None)
+        for h in [h for h, t in self._tenants.items() if replica in t]:
+            self._tenants[h].discard(replica)
+            if not self._tenants[h]:
+                del self._tenants[h]
 
     def choose(self, key: RouteKey, candidates: Sequence[Candidate]) -> list[list[str]]:
         if not candidates:
             return []
         if not key.text or _imbalanced(candidates, self.imbalanced_threshold):
             return power_of_two(candidates, self._rng)
-        for c in candidates:
-            self.add(c.replica)
-        matched = {c.replica: self._trees[c.replica].match(key.text) for c in candidates}
-        best = max(matched.values())
-        if best / len(key.text) >= self.match_rate_threshold:
-            chosen = [c.replica for c in candidates if matched[c.replica] == best]
-        else:
-            fewest = min(self._trees[c.replica].chars for c in candidates)
-            chosen = [c.replica for c in candidates if self._trees[c.replica].chars == fewest]
-        return [chosen]
+        names = {c.replica for c in candidates}
+        matched, best = 0, set[str]()
+        for h in _text_chunks(key.text):
+            holding = self._tenants.get(h, set()) & (best or names)
+            if not holding:
+                break
+            matched, best = matched + _TEXT_CHUNK, holding
+        if best and matched / len(key.text) >= self.match_rate_threshold:
+            return [[c.replica for c in candidates if c.replica in best]]
+        fewest = min(self._chars.get(c.replica, 0) for c in candidates)
+        return [[c.replica for c in candidates if self._chars.get(c.replica, 0) == fewest]]
 
     def routed(self, replica: str, key: RouteKey) -> None:
-        if key.text:
-            self._trees.setdefault(replica, _TextTree()).insert(key.text)
+        for h in _text_chunks(key.text):
+            tenants = self._tenants.setdefault(h, set())
+            if replica not in tenants:
+                tenants.add(replica)
+                self._chars[replica] = self._chars.get(replica, 0) + _TEXT_CHUNK

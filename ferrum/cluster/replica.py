@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
+import itertools
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +37,6 @@ from ferrum.cluster.board import board_name
 from ferrum.cluster.policy import RouteKey, encode_hashes
 from ferrum.cluster.routers import PREFIX_KEY
 from ferrum.cluster.settings import ClusterSettings
-from ferrum.engine.engine import LLMEngine
-from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.tiers import DEFAULT_CACHE_DIR
 from ferrum.server import build_server
 
@@ -69,15 +68,11 @@ class FerrumReplica:
     # Ray runs an async constructor on the replica's event loop, where its engines will run.
     async def __init__(self, settings: ClusterSettings):  # type: ignore[misc]
         self.settings = settings
-        context = serve.get_replica_context()
-        self.replica_id = context.replica_id.to_full_id_str()
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.short_id = self.replica_id.rsplit("#", 1)[-1]
-        # Each replica on a machine saves its prefixes to a folder of its own (two engines
-        # writing and cleaning one folder would remove each other's files).
         cache_dir = Path(settings.engine.cache_dir or DEFAULT_CACHE_DIR).expanduser()
-        engine = dataclasses.replace(
-            settings.engine, cache_dir=str(cache_dir / f"replica-{context.rank.local_rank}")
-        )
+        folder, self._folder_lock = _own_folder(cache_dir)
+        engine = dataclasses.replace(settings.engine, cache_dir=str(folder))
         self.app, _ = build_server(engine, settings.server, settings.models)
         self.state: ServerState = self.app.state.ferrum
         self._board: Any = None
@@ -94,8 +89,9 @@ class FerrumReplica:
             (REPLICA_HEADER.encode(), self.replica_id.encode()),
             (b"x-ferrum-replica-pid", str(os.getpid()).encode()),
         ]
-        async for item in asgi_call(self.app, request, extra):
-            yield item
+        async with contextlib.aclosing(asgi_call(self.app, request, extra)) as items:
+            async for item in items:
+                yield item
 
     async def record_routing_stats(self) -> dict[str, Any]:
         prefixes: dict[str, bytes] = {}
@@ -103,7 +99,7 @@ class FerrumReplica:
         for loaded in self.state.models.loaded():
             model = loaded.model
             if isinstance(model, ServedModel) and model.engine.alive:
-                held = await model.engine.on_engine_thread(_reader(model.engine.core, limit))
+                held = await model.engine.resident_prefixes(limit)
                 prefixes[loaded.spec.name] = encode_hashes(held.hashes)
         await self._post_to_board()
         return {PREFIX_KEY: prefixes}
@@ -115,9 +111,7 @@ class FerrumReplica:
             health = await self._get("/health")
             if self._board is None:
                 self._board = ray.get_actor(board_name(self.settings.app_name))
-            await self._board.put.remote(
-                self.short_id, metrics.decode(), health.decode(), time.time()
-            )
+            await self._board.put.remote(self.short_id, metrics.decode(), health.decode())
         except Exception as exc:  # the board is for display; routing goes on without it
             self._board = None
             log.warning("could not post to the cluster board: %s", exc)
@@ -127,9 +121,11 @@ class FerrumReplica:
         if self.settings.server.api_key:
             headers.append((b"authorization", f"Bearer {self.settings.server.api_key[0]}".encode()))
         chunks = []
-        async for item in asgi_call(self.app, Relayed("GET", path, b"", headers, b""), []):
-            if isinstance(item, bytes):
-                chunks.append(item)
+        request = Relayed("GET", path, b"", headers, b"")
+        async with contextlib.aclosing(asgi_call(self.app, request, [])) as items:
+            async for item in items:
+                if isinstance(item, bytes):
+                    chunks.append(item)
         return b"".join(chunks)
 
     async def check_health(self) -> None:
@@ -140,16 +136,32 @@ class FerrumReplica:
 
     async def __del__(self) -> None:
         # Scale-down: Ray has already let the replica's requests finish (graceful shutdown).
-        await self._lifespan.__aexit__(None, None, None)
+        lifespan = getattr(self, "_lifespan", None)  # absent when the constructor failed
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
 
 
-def _reader(core: LLMEngine, limit: int) -> Callable[[], ResidentPrefixes]:
-    return lambda: core.resident_prefixes(limit)
+def _own_folder(parent: Path) -> tuple[Path, int]:
+    """The first `replica-N` folder under parent that no other live replica holds, and the
+    lock (a file descriptor, held for the process's life) that says this one does. Two
+    engines writing and cleaning one disk tier would remove each other's files; a replica
+    restarted takes a free folder back, with what its predecessor saved there."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count():
+        folder = parent / f"replica-{n}"
+        fd = os.open(parent / f"replica-{n}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return folder, fd
+    raise AssertionError("unreachable")
 
 
 async def asgi_call(
     app: Any, request: Relayed, extra_headers: list[tuple[bytes, bytes]]
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """Runs one HTTP request through an ASGI app in process: a `Head`, then body chunks."""
     sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     gone = asyncio.Event()
@@ -182,6 +194,7 @@ async def asgi_call(
     }
     task = asyncio.create_task(app(scope, receive, send))
     task.add_done_callback(lambda _: sent.put_nowait(None))
+    complete = False
     try:
         while (message := await sent.get()) is not None:
             if message["type"] == "http.response.start":
@@ -190,7 +203,12 @@ async def asgi_call(
                 if message.get("body"):
                     yield bytes(message["body"])
                 if not message.get("more_body", False):
+                    complete = True
                     break
+        if not complete:  # the app stopped mid-answer: an error, never a quiet cut
+            exc = task.exception() if task.done() and not task.cancelled() else None
+            log.error("%s %s ended mid-answer", request.method, request.path, exc_info=exc)
+            raise RuntimeError(f"the replica's answer to {request.path} ended early")
     finally:
         gone.set()  # the app sees a disconnect if it still waits on its client
         with contextlib.suppress(Exception):  # the answer has ended either way

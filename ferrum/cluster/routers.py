@@ -9,12 +9,11 @@ every stats period and carried to routers by Ray's controller).
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
-    FIFOMixin,
     LocalityMixin,
     MultiplexMixin,
     PendingRequest,
@@ -40,17 +39,25 @@ def route_key(request: PendingRequest | None) -> RouteKey:
     return key if isinstance(key, RouteKey) else RouteKey()
 
 
-class _Router(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    """What both prefix routers share: candidates with their load, what was routed where."""
+class _Router(LocalityMixin, MultiplexMixin, RequestRouter):
+    """What both prefix routers share: candidates with their load, what was routed where.
+
+    Without Ray's FIFOMixin: it hands the replica chosen for one request to the oldest
+    request waiting, which would send a prompt to the replica chosen for another's prefix.
+    """
 
     _rng: random.Random
     _in_flight: Counter[str]
     _routed_ids: dict[str, str]
+    _done_early: OrderedDict[str, None]
 
     def _setup(self) -> None:
         self._rng = random.Random()
-        self._in_flight = Counter()  # this router's own requests per replica, exact
+        # This router's own requests per replica. Ray's queue-length cache is kept only with
+        # strict max_ongoing_requests, so the router counts for itself.
+        self._in_flight = Counter()
         self._routed_ids = {}  # internal request id → replica
+        self._done_early = OrderedDict()  # completions seen before their routing callback
 
     def _candidates(self, replicas: list[RunningReplica]) -> list[Candidate]:
         out = []
@@ -70,13 +77,20 @@ class _Router(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         rid = replica_id.to_full_id_str()
-        self._in_flight[rid] += 1
-        self._routed_ids[pending_request.metadata.internal_request_id] = rid
         self._routed(rid, route_key(pending_request))
+        request_id = pending_request.metadata.internal_request_id
+        if self._done_early.pop(request_id, 1) is None:
+            return  # it already finished: nothing in flight to count
+        self._in_flight[rid] += 1
+        self._routed_ids[request_id] = rid
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._routed_ids.pop(internal_request_id, None)
-        if rid is not None and self._in_flight[rid] > 0:
+        if rid is None:
+            self._done_early[internal_request_id] = None
+            while len(self._done_early) > 10_000:
+                self._done_early.popitem(last=False)
+        elif self._in_flight[rid] > 0:
             self._in_flight[rid] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -102,7 +116,7 @@ class FerrumPrefixRouter(_Router):
     def initialize_state(self, imbalance: int = 4, recent_s: float = 10.0, **_: Any) -> None:
         self._setup()
         self._policy = PrefixAffinity(imbalance=imbalance, recent_s=recent_s, rng=self._rng)
-        self._seen_stats: dict[str, int] = {}  # replica → id() of the stats last decoded
+        self._seen_stats: dict[str, object] = {}  # replica → the stats last decoded
 
     async def choose_replicas(
         self,
@@ -119,9 +133,9 @@ class FerrumPrefixRouter(_Router):
     def _observe(self, replica: RunningReplica) -> None:
         rid = replica.replica_id.to_full_id_str()
         stats = replica.routing_stats or {}
-        if self._seen_stats.get(rid) == id(stats):
-            return  # unchanged since the last request: not decoded again
-        self._seen_stats[rid] = id(stats)
+        if self._seen_stats.get(rid) is stats:
+            return  # the same object as last time: not decoded again
+        self._seen_stats[rid] = stats
         prefixes = stats.get(PREFIX_KEY, {})
         self._policy.observe(rid, {m: decode_hashes(data) for m, data in prefixes.items()})
 
@@ -164,9 +178,9 @@ class TextPrefixRouter(_Router):
         self._policy.forget(replica)
 
 
-class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
-    """Ray Serve's default router as it is, except that a pinned request (a Responses API
-    continuation) goes to its replica."""
+class PowerOfTwoRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray Serve's default router's choice, except that a pinned request (a Responses API
+    continuation) goes to its replica; without FIFOMixin, so that the pin holds."""
 
     async def choose_replicas(
         self,
@@ -177,7 +191,11 @@ class PowerOfTwoRouter(PowerOfTwoChoicesRequestRouter):
         for r in candidate_replicas:
             if pin and r.replica_id.to_full_id_str() == pin:
                 return [[r]]
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self,  # type: ignore[arg-type]
+            candidate_replicas,
+            pending_request,
+        )
 
 
 ROUTERS: dict[str, type[RequestRouter]] = {

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.request import FinishReason, SamplingParams
 from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
@@ -159,6 +160,11 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(_Abort(request_id))
 
+    async def resident_prefixes(self, limit: int) -> ResidentPrefixes:
+        """What the engine holds, for a cluster's router (`LLMEngine.resident_prefixes`)."""
+        core = self.core
+        return await self.on_engine_thread(lambda: core.resident_prefixes(limit))
+
     async def on_engine_thread(self, fn: Callable[[], T]) -> T:
         """fn's result, run on the engine thread between two steps: the only way other code
         may read the engine's state (its prefix index, its ledger) while it runs."""
@@ -236,7 +242,7 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Call):
+            if isinstance(cmd, _Call) and cmd.done.set_running_or_notify_cancel():
                 cmd.done.set_exception(ServiceUnavailable("the engine is not running"))
 
     def _add(self, cmd: _Add) -> list[RequestOutput]:
@@ -268,6 +274,8 @@ class AsyncEngine:
 
 
 def _answer(call: _Call) -> None:
+    if not call.done.set_running_or_notify_cancel():
+        return  # its caller stopped waiting
     try:
         call.done.set_result(call.fn())
     except Exception as exc:  # the caller gets the error; the engine goes on

@@ -340,7 +340,7 @@ class LLMEngine:
         """At most `limit` hashes of the prefix blocks this engine holds (engine thread)."""
         kv = self.kv_manager
         hashes = kv.index.resident_hashes(limit) if kv.prefix_cache else []
-        return ResidentPrefixes(kv.blocks.block_size, tuple(hashes), kv.blocks.usage)
+        return ResidentPrefixes(kv.blocks.block_size, tuple(hashes))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -52,11 +52,10 @@ def _rank(owner: Owner) -> int:
 @dataclass(frozen=True)
 class ResidentPrefixes:
     """What an engine holds, compactly: its prefix blocks' chained hashes (running, parked
-    and saved sequences, shallow blocks first) and how full its KV pool is."""
+    and saved sequences, shallow blocks first)."""
 
     block_size: int
     hashes: tuple[int, ...]
-    kv_usage: float
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,8 @@ def test_an_overloaded_holder_is_passed_over():
     policy = PrefixAffinity(imbalance=4, rng=random.Random(0))
     tokens = list(range(32))
     policy.observe("a", {"m": frozenset(block_hashes(tokens, BS))})
-    assert policy.choose(key(tokens), loads(a=4, b=0))[0] == ["a"]
-    ranks = policy.choose(key(tokens), loads(a=5, b=0))
+    assert policy.choose(key(tokens), loads(a=3, b=0))[0] == ["a"]
+    ranks = policy.choose(key(tokens), loads(a=4, b=0))
     assert ranks == [["b", "a"]]  # power of two: the less loaded first
 
 
