@@ -82,7 +82,7 @@ class Relay:
 
     def _board(self) -> Any:
         return Board.options(  # type: ignore[attr-defined]
-            name=board_name(self.settings.app_name), get_if_exists=True
+            name=board_name(self.settings.cluster.app_name), get_if_exists=True
         ).remote()
 
     async def _posts(self) -> dict[str, tuple[str, str]]:

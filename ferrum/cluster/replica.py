@@ -70,10 +70,8 @@ class FerrumReplica:
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.short_id = self.replica_id.rsplit("#", 1)[-1]
-        cache_dir = Path(settings.engine.cache_dir or DEFAULT_CACHE_DIR).expanduser()
-        folder, self._folder_lock = _own_folder(cache_dir)
-        engine = dataclasses.replace(settings.engine, cache_dir=str(folder))
-        self.app, _ = build_server(engine, settings.server, settings.models)
+        # The folder's lock and the catalog's scan are file I/O: off the event loop.
+        self.app, self._folder_lock = await asyncio.to_thread(_build, settings)
         self.state: ServerState = self.app.state.ferrum
         self._board: Any = None
         # The app's lifespan: registry started, default model loaded (a model that cannot
@@ -95,7 +93,7 @@ class FerrumReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         prefixes: dict[str, bytes] = {}
-        limit = self.settings.route_summary_blocks
+        limit = self.settings.cluster.route_summary_blocks
         for loaded in self.state.models.loaded():
             model = loaded.model
             if isinstance(model, ServedModel) and model.engine.alive:
@@ -110,7 +108,7 @@ class FerrumReplica:
             metrics = await self._get("/metrics")
             health = await self._get("/health")
             if self._board is None:
-                self._board = ray.get_actor(board_name(self.settings.app_name))
+                self._board = ray.get_actor(board_name(self.settings.cluster.app_name))
             await self._board.put.remote(self.short_id, metrics.decode(), health.decode())
         except Exception as exc:  # the board is for display; routing goes on without it
             self._board = None
@@ -139,6 +137,15 @@ class FerrumReplica:
         lifespan = getattr(self, "_lifespan", None)  # absent when the constructor failed
         if lifespan is not None:
             await lifespan.__aexit__(None, None, None)
+
+
+def _build(settings: ClusterSettings) -> tuple[Any, int]:
+    """The replica's app, its disk tier in a folder of its own, and that folder's lock."""
+    cache_dir = Path(settings.engine.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    folder, lock = _own_folder(cache_dir)
+    engine = dataclasses.replace(settings.engine, cache_dir=str(folder))
+    app, _ = build_server(engine, settings.server, settings.models)
+    return app, lock
 
 
 def _own_folder(parent: Path) -> tuple[Path, int]:

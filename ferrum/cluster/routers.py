@@ -103,6 +103,21 @@ class _Router(LocalityMixin, MultiplexMixin, RequestRouter):
         for replica_id in gone:
             self._forget(replica_id.to_full_id_str())
 
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        key = route_key(pending_request)
+        candidates = self._candidates(candidate_replicas)
+        ranked = pinned(key, candidates) or self._choose(key, candidate_replicas, candidates)
+        return self._ranks(candidate_replicas, ranked)
+
+    def _choose(
+        self, key: RouteKey, replicas: list[RunningReplica], candidates: list[Candidate]
+    ) -> list[list[str]]:
+        raise NotImplementedError
+
     def _routed(self, replica: str, key: RouteKey) -> None:
         raise NotImplementedError
 
@@ -118,17 +133,12 @@ class FerrumPrefixRouter(_Router):
         self._policy = PrefixAffinity(imbalance=imbalance, recent_s=recent_s, rng=self._rng)
         self._seen_stats: dict[str, object] = {}  # replica → the stats last decoded
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        for r in candidate_replicas:
+    def _choose(
+        self, key: RouteKey, replicas: list[RunningReplica], candidates: list[Candidate]
+    ) -> list[list[str]]:
+        for r in replicas:
             self._observe(r)
-        key = route_key(pending_request)
-        candidates = self._candidates(candidate_replicas)
-        ranked = pinned(key, candidates) or self._policy.choose(key, candidates)
-        return self._ranks(candidate_replicas, ranked)
+        return self._policy.choose(key, candidates)
 
     def _observe(self, replica: RunningReplica) -> None:
         rid = replica.replica_id.to_full_id_str()
@@ -160,15 +170,10 @@ class TextPrefixRouter(_Router):
         self._setup()
         self._policy = TextPrefixAffinity(imbalanced_threshold, match_rate_threshold, self._rng)
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        key = route_key(pending_request)
-        candidates = self._candidates(candidate_replicas)
-        ranked = pinned(key, candidates) or self._policy.choose(key, candidates)
-        return self._ranks(candidate_replicas, ranked)
+    def _choose(
+        self, key: RouteKey, replicas: list[RunningReplica], candidates: list[Candidate]
+    ) -> list[list[str]]:
+        return self._policy.choose(key, candidates)
 
     def _routed(self, replica: str, key: RouteKey) -> None:
         self._policy.routed(replica, key)

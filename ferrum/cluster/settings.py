@@ -93,14 +93,6 @@ class ClusterSettings:
     models: ModelsConfig
     cluster: ClusterConfig = ClusterConfig()
 
-    @property
-    def app_name(self) -> str:
-        return self.cluster.app_name
-
-    @property
-    def route_summary_blocks(self) -> int:
-        return self.cluster.route_summary_blocks
-
     def without_scale(self) -> ClusterSettings:
         """The settings a replica and the ingress are built from: the replica count left out,
         so that scaling changes only the count (Ray restarts every replica whose

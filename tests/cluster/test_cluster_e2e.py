@@ -219,19 +219,21 @@ def test_a_scale_down_finishes_the_requests_of_the_replica_removed(cluster):
     url = cluster["url"]
 
     def one(i: int) -> httpx.Response:
-        # Prompts that differ from their first token: no prefix to follow, so the router
-        # spreads them by load over both replicas.
-        body = {
-            "messages": [{"role": "user", "content": f"{i} is the number of this story."}],
-            "max_tokens": 120,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
+        # A system prompt of its own from the first block (the template's default one would
+        # be a shared prefix): nothing to follow, so the router spreads them by load.
+        messages = [
+            {"role": "system", "content": f"{i} is the number of this story."},
+            {"role": "user", "content": "Write it."},
+        ]
+        body = {"messages": messages, "max_tokens": 120, "ignore_eos": True, "temperature": 0}
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        answers = [pool.submit(one, i) for i in range(6)]
-        time.sleep(1.5)  # every request is running somewhere
+        answers = []
+        for i in range(6):  # a little apart: each is counted in flight before the next
+            answers.append(pool.submit(one, i))
+            time.sleep(0.3)
+        time.sleep(1.0)  # every request is running somewhere
         serve.run(build_app(settings_for(cluster["folder"], 1)), name="ferrum", route_prefix="/")
         results = [a.result() for a in answers]
     assert len({r.headers["x-ferrum-replica"] for r in results}) == 2  # both replicas served
