@@ -138,6 +138,6 @@ def key_registry(
         return await asyncio.to_thread(PromptKeys.load, spec, server_template)
 
     async def unload(keys: PromptKeys) -> None:
-        keys.file.close()
+        await asyncio.to_thread(keys.file.close)  # llama.cpp frees the vocabulary: off the loop
 
     return Registry(specs, load, unload, keep_alive=keep_alive)
