@@ -10,7 +10,8 @@ order; round 1 is a warm-up and is dropped; median [min, max].
 
 Part 2, ferrum serving minilm and smollm2-135m-instruct: 4 chat streams (greedy, ignore_eos,
 200 tokens) alone, then with the flood of part 1 running; p99 of the streams' inter-token
-gaps, per round.
+gaps, per round. Both with the engines taking turns at the cores (`--engine-turns shared`, the
+default) and without (`off`: the chat and embedding engines decode side by side).
 
     .venv/bin/python bench/bench_embeddings.py [--rounds 4] [--threads 2]
 """
@@ -58,11 +59,15 @@ async def _flood(url: str, model: str, sentences: list[str]) -> float:
         return time.perf_counter() - start
 
 
+ARMS = {"ferrum": "shared", "ferrum-turns-off": "off", "llama-server": ""}
+
+
 def _server(arm: str, gguf: Path, threads: int, folder: Path) -> ServerProcess:
     port = free_port()
-    if arm == "ferrum":
+    if arm.startswith("ferrum"):
         flags = ["--threads", str(threads), "--models-dir", str(folder), "--model",
-                 f"minilm={gguf}", "--model", "smollm2-135m-instruct", "--keep-alive", "-1"]
+                 f"minilm={gguf}", "--model", "smollm2-135m-instruct", "--keep-alive", "-1",
+                 "--engine-turns", ARMS[arm]]
         cmd = ferrum_command(port, *flags)
     else:
         cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", str(gguf), "--embeddings",
@@ -103,16 +108,19 @@ def main() -> None:
     rounds = []
     for r in range(args.rounds):
         row: dict[str, float] = {}
-        for arm in ("ferrum", "llama-server") if r % 2 == 0 else ("llama-server", "ferrum"):
+        arms = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
+        for arm in arms:
             server = _server(arm, gguf, args.threads, out)
             try:
                 model = "minilm"
                 asyncio.run(_flood(server.url, model, _sentences(99)[:50]))  # warm
                 seconds = asyncio.run(_flood(server.url, model, _sentences(r)))
                 row[f"{arm} inputs/s"] = N_SENTENCES / seconds
-                if arm == "ferrum":
-                    row["streams p99 alone"] = asyncio.run(_streams(server.url, None))
-                    row["streams p99 flood"] = asyncio.run(_streams(server.url, _sentences(r)))
+                if arm != "llama-server":
+                    row[f"{arm} streams p99 alone"] = asyncio.run(_streams(server.url, None))
+                    row[f"{arm} streams p99 flood"] = asyncio.run(
+                        _streams(server.url, _sentences(r))
+                    )
             finally:
                 server.stop()
         rounds.append(row)
@@ -122,9 +130,18 @@ def main() -> None:
     for key in kept[0]:
         s = Spread.of([row[key] for row in kept])
         print(f"{key}: {s.median:.4g} [{s.lo:.4g}, {s.hi:.4g}]" if s else f"{key}: n/a")
-    ratio = Spread.of([row["ferrum inputs/s"] / row["llama-server inputs/s"] for row in kept])
-    stall = Spread.of([row["streams p99 flood"] / row["streams p99 alone"] for row in kept])
-    for name, s in (("ferrum/llama-server", ratio), ("p99 flood/alone", stall)):
+    ratios = {
+        f"{arm} inputs/s vs llama-server": Spread.of(
+            [row[f"{arm} inputs/s"] / row["llama-server inputs/s"] for row in kept]
+        )
+        for arm in ARMS if arm != "llama-server"
+    }
+    for arm in ARMS:
+        if arm != "llama-server":
+            ratios[f"{arm} p99 flood/alone"] = Spread.of(
+                [row[f"{arm} streams p99 flood"] / row[f"{arm} streams p99 alone"] for row in kept]
+            )
+    for name, s in ratios.items():
         print(f"{name}: {s.median:.3g} [{s.lo:.3g}, {s.hi:.3g}]" if s else f"{name}: n/a")
 
 

@@ -120,6 +120,8 @@ def _check(engine: EngineConfig, models: ModelsConfig) -> None:
         raise ValueError("--inject-faults must be between 0 and 1")
     if engine.spec_type not in ("ngram", "none"):
         raise ValueError("--spec-type must be ngram or none")
+    if engine.engine_turns not in ("shared", "off"):
+        raise ValueError("--engine-turns must be shared or off")
     if not 1 <= engine.spec_ngram_min <= engine.spec_ngram_max:
         raise ValueError("--spec-ngram-min must be at least 1 and at most --spec-ngram-max")
     if engine.spec_draft_max < 0 or engine.spec_batch_max < 0:

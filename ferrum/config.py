@@ -135,6 +135,16 @@ class EngineConfig:
             "embed and use their own pooling",
         ),
     )
+    engine_turns: str = field(
+        default="shared",
+        metadata=_flag(
+            "--engine-turns",
+            help="shared: the engines of the server's models (chat and embedding) decode in "
+            "turns, first asked first served, and an embedding decode is cut to a share of a "
+            "busy chat step, so one model's flood cannot stall another's streams; off: each "
+            "engine decodes whenever it likes (they split the cores)",
+        ),
+    )
     inject_faults: float = field(
         default=0.0,
         metadata=_flag(

@@ -20,6 +20,7 @@ from ferrum.engine.engine import LLMEngine
 from ferrum.engine.runner import LlamaRunner
 from ferrum.engine.speculation import SpecConfig
 from ferrum.engine.tiers import TierConfig
+from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
 from ferrum.metrics import ServerMetrics
 from ferrum.models.catalog import serve_specs
@@ -39,6 +40,11 @@ class _Loader:
 
     def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig, metrics: ServerMetrics):
         self.engine_cfg, self.server_cfg, self.metrics = engine_cfg, server_cfg, metrics
+        # One set of turns for every engine this server runs (None: they decode side by side).
+        self.turns = Turns() if engine_cfg.engine_turns == "shared" else None
+
+    def _party(self, name: str) -> Party | None:
+        return None if self.turns is None else self.turns.join(name)
 
     def engine_config(self, spec: ModelSpec) -> EngineConfig:
         engine = spec.preset.engine
@@ -90,6 +96,7 @@ class _Loader:
             runner,
             max_queue_inputs=self.server_cfg.max_queue * 64,
             on_batch=self.metrics.for_model(name).on_embedding_batch,
+            turns=self._party(f"{name} embeddings"),
         )
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str) -> ServedModel:
@@ -118,7 +125,9 @@ class _Loader:
         max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))
         served = ServedModel(
             name=spec.name,
-            engine=AsyncEngine(engine, max_queue=self.server_cfg.max_queue),
+            engine=AsyncEngine(
+                engine, max_queue=self.server_cfg.max_queue, turns=self._party(spec.name)
+            ),
             vocab=runner.vocab,
             info=info,
             formatter=formatter,

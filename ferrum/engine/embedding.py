@@ -15,6 +15,12 @@ fit opens the next decode (no input overtakes an earlier one, so a long one neve
     decode 1: A0 A1 A2        12 tokens    B0 (6) would make 18
     decode 2: B0 C0 C1        10 tokens    → A answered after decode 1, B and C after 2
 
+Sharing the cores (`turns.Turns`): each decode runs in a turn of the server's engines. While
+another engine is busy, a decode is cut to what fits `TURN_SHARE` of that engine's mean turn,
+by the measured cost of a decode (fixed plus per token; at least one input), so a flood of
+embeddings adds a fraction of a step to a chat stream's gaps, and a busy chat engine still
+leaves the embeddings every other turn.
+
 A request whose caller gave up (cancelled) before its inputs ran has them dropped unseen; a
 decode that fails fails the requests it held inputs of and no other. The vectors come back
 as the model pools them (not normalised): one of `info.n_embd` floats per input, in input
@@ -38,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ferrum.engine.batch import Vocabulary
+from ferrum.engine.turns import Party
 from ferrum.errors import (
     EngineError,
     FerrumError,
@@ -50,6 +57,9 @@ log = logging.getLogger("ferrum.embedding")
 
 Vector = npt.NDArray[np.float32]
 BatchObserver = Callable[[int, int, float], None]  # (inputs, tokens, seconds) of one decode
+
+# While another engine is busy, an embedding decode aims at this share of its mean turn.
+TURN_SHARE = 0.35
 
 # llama.cpp's pooling types by the names the API and the CLI use.
 POOLINGS = ("none", "mean", "cls", "last", "rank")
@@ -117,8 +127,11 @@ class EmbeddingEngine:
         *,
         max_queue_inputs: int = 10_000,
         on_batch: BatchObserver | None = None,
+        turns: Party | None = None,
     ):
         self._runner = runner
+        self._party = turns
+        self._cost = DecodeCost()
         self._info = runner.info
         self._max_queue = max_queue_inputs
         self._on_batch = on_batch
@@ -160,6 +173,8 @@ class EmbeddingEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._party is not None:
+            self._party.leave()
 
     async def embed(self, inputs: list[list[int]]) -> list[Vector]:
         """Each input's vector, in input order. The lists must not change until answered."""
@@ -204,9 +219,13 @@ class EmbeddingEngine:
         try:
             while self._take(pending, block=not pending):
                 answers: list[tuple[_Job, FerrumError | None]] = []
-                batch = self._next_batch(pending)
+                batch = self._next_batch(pending, self._token_limit())
                 if batch:
-                    self._decode(batch, answers)
+                    if self._party is None:
+                        self._decode(batch, answers)
+                    else:
+                        with self._party.turn():
+                            self._decode(batch, answers)
                 self._post(answers)
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("the embedding engine failed")
@@ -243,10 +262,20 @@ class EmbeddingEngine:
         with self._stats_lock:
             self._stats.requests += 1
 
-    def _next_batch(self, pending: deque[tuple[_Job, int]]) -> list[tuple[_Job, int]]:
-        """The batching rule (module docstring): first come first served, within limits."""
+    def _token_limit(self) -> int:
+        """Most tokens in the next decode: the runner's, or what fits the turn's budget."""
+        budget = None if self._party is None else self._party.budget_s(TURN_SHARE)
+        if budget is None:
+            return self._info.n_batch
+        return min(self._info.n_batch, self._cost.tokens_within(budget))
+
+    def _next_batch(
+        self, pending: deque[tuple[_Job, int]], max_tokens: int
+    ) -> list[tuple[_Job, int]]:
+        """The batching rule (module docstring): first come first served, within limits (the
+        first input always goes, whatever `max_tokens` says)."""
         batch: list[tuple[_Job, int]] = []
-        tokens, max_tokens, max_inputs = 0, self._info.n_batch, self._info.n_seq_max
+        tokens, max_inputs = 0, self._info.n_seq_max
         while pending and len(batch) < max_inputs:
             job, i = pending[0]
             if job.cancelled or job.done:
@@ -255,7 +284,7 @@ class EmbeddingEngine:
                     self._count_dropped(1)
                 continue
             n = len(job.inputs[i])
-            if tokens + n > max_tokens:
+            if batch and tokens + n > max_tokens:
                 break
             batch.append(pending.popleft())
             tokens += n
@@ -280,6 +309,7 @@ class EmbeddingEngine:
                     answers.append(self._finish(job, _engine_error(exc)))
             return
         seconds = time.perf_counter() - start
+        self._cost.add(tokens, seconds)
         for (job, i), vector in zip(batch, vectors, strict=True):
             job.results[i] = vector
             job.left -= 1
@@ -320,6 +350,42 @@ class EmbeddingEngine:
         loop = self._loop
         if answers and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_resolve, answers)
+
+
+class DecodeCost:
+    """A decode's seconds as fixed + per-token cost, fitted to the recent decodes (least
+    squares), so a turn's budget can be turned into tokens."""
+
+    WINDOW = 32
+    UNMEASURED_TOKENS = 64  # the limit before any decode was timed
+
+    def __init__(self) -> None:
+        self._points: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._points.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before any decode."""
+        if not self._points:
+            return None
+        xs = np.array([t for t, _ in self._points], dtype=np.float64)
+        ys = np.array([s for _, s in self._points], dtype=np.float64)
+        spread = xs - xs.mean()
+        var = float(spread @ spread)
+        if var > 0:
+            per_token = float(spread @ (ys - ys.mean())) / var
+            if per_token > 0:
+                return max(0.0, float(ys.mean() - per_token * xs.mean())), per_token
+        return 0.0, float(ys.sum() / xs.sum())  # one size only: all of it per token
+
+    def tokens_within(self, seconds: float) -> int:
+        """Most tokens a decode may hold to last about `seconds` (at least 1)."""
+        fit = self.fit()
+        if fit is None:
+            return self.UNMEASURED_TOKENS
+        fixed, per_token = fit
+        return max(1, int((seconds - fixed) / per_token)) if per_token > 0 else 1 << 30
 
 
 def _resolve(answers: list[tuple[_Job, FerrumError | None]]) -> None:

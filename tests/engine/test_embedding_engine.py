@@ -11,6 +11,7 @@ pooling of a text == its first token alone.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 import time
@@ -457,3 +458,91 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits():
         np.testing.assert_array_equal(answer, [FakeRunner.vector(t) for t in request])
     assert stats.dropped_inputs > 0
     assert all(len(b) <= 5 and sum(map(len, b)) <= 16 for b in runner.batches)
+
+
+class TimedRunner(FakeRunner):
+    """A FakeRunner whose decode costs 2 ms + 0.25 ms a token, and which logs its decodes'
+    (start, end, tokens)."""
+
+    def __init__(self, log: list[tuple[str, float, float, int]], **kw):
+        super().__init__(**kw)
+        self.log = log
+
+    def embed_batch(self, inputs):
+        start = time.monotonic()
+        tokens = sum(map(len, inputs))
+        time.sleep(0.002 + 0.00025 * tokens)
+        vectors = super().embed_batch(inputs)
+        self.log.append(("embed", start, time.monotonic(), tokens))
+        return vectors
+
+
+def test_a_flood_of_embeddings_takes_turns_with_chat_steps_cut_to_a_share():
+    """One chat engine (20 ms steps) and one embedding engine share the cores' turns: no two
+    decodes overlap; while the chat engine is busy each embedding decode is cut to about
+    TURN_SHARE of a chat step, and the two alternate (neither starves); alone, the
+    embeddings fill their batches again."""
+    from ferrum.engine.async_engine import AsyncEngine
+    from ferrum.engine.embedding import TURN_SHARE
+    from ferrum.engine.turns import Turns
+    from tests.factories import FakeRunner as ChatRunner
+    from tests.factories import byte_tokenize, fake_engine, sampling
+
+    log: list[tuple[str, float, float, int]] = []
+
+    class TimedChat(ChatRunner):
+        def execute(self, items):
+            start = time.monotonic()
+            result = super().execute(items)
+            log.append(("chat", start, time.monotonic(), 0))
+            return result
+
+    turns = Turns()
+    embedder = TimedRunner(log, n_batch=256, n_seq_max=64)
+    rng = random.Random(5)
+    flood = [[[rng.randrange(1, 900) for _ in range(rng.randint(4, 12))]] for _ in range(400)]
+
+    async def main():
+        chat = AsyncEngine(fake_engine(TimedChat(step_delay_s=0.02)), turns=turns.join("chat"))
+        embeddings = EmbeddingEngine(embedder, turns=turns.join("minilm"))
+        chat.start()
+        embeddings.start()
+        try:
+            streams = [
+                chat.submit(f"c{i}", byte_tokenize(f"story {i}"), sampling(max_tokens=100), True)
+                for i in range(4)
+            ]
+
+            async def drain(stream):
+                async for out in stream:
+                    if out.finished:
+                        return time.monotonic()
+
+            chat_done = asyncio.gather(*(drain(s) for s in streams))
+            answers = await asyncio.gather(*(embeddings.embed(x) for x in flood))
+            chat_end = max(await chat_done)
+            await asyncio.sleep(0.3)  # the chat engine no longer counts as busy
+            alone = await asyncio.gather(*(embeddings.embed(x) for x in flood[:200]))
+        finally:
+            await embeddings.stop()
+            await chat.stop()
+        return answers, alone, chat_end
+
+    answers, alone, chat_end = asyncio.run(main())
+    for request, answer in zip(flood + flood[:200], answers + alone, strict=True):
+        np.testing.assert_array_equal(answer, [FakeRunner.vector(t) for t in request])
+    spans = sorted(log, key=lambda e: e[1])
+    for (_, _, end, _), (_, start, _, _) in itertools.pairwise(spans):
+        assert start >= end - 1e-4, "two decodes overlapped"
+    chat_steps = [e for e in spans if e[0] == "chat"]
+    chat_step_s = float(np.median([end - start for _, start, end, _ in chat_steps]))
+    busy = (chat_steps[3][1], chat_steps[-4][1])
+    during = [e for e in spans if e[0] == "embed" and busy[0] < e[1] < busy[1]]
+    steps_during = [e for e in chat_steps if busy[0] < e[1] < busy[1]]
+    # First asked, first served: the embeddings get about every other turn, not leftovers.
+    assert len(during) >= 0.5 * len(steps_during), "the flood starved behind the chat steps"
+    # Cut to a share of a chat step (the cost model needs a few decodes to learn the costs).
+    lengths = sorted(end - start for _, start, end, _ in during[4:])
+    assert lengths[len(lengths) // 2] < 1.5 * TURN_SHARE * chat_step_s
+    alone_batches = [e[3] for e in spans if e[0] == "embed" and e[1] > chat_end + 0.25]
+    assert max(alone_batches) > 4 * max(e[3] for e in during[4:])

@@ -1,0 +1,121 @@
+"""Turns: the engines of one server take turns at the cores.
+
+Every model a server runs has an engine thread of its own (`AsyncEngine` for chat,
+`EmbeddingEngine` for embeddings), and each of their decodes wants every core. Run side by
+side on a CPU, two decodes split the cores and both take about twice as long, so a flood of
+embeddings doubles the gaps between a chat stream's tokens. With `Turns`, a decode (a chat
+step, an embedding batch) runs only in its engine's turn, and turns are granted in the order
+they were asked for: an engine that wants the cores waits at most for the turns asked before
+it, and then the others wait for it. Nobody starves.
+
+That alone bounds a chat stream's gap by its own step plus one turn of each other busy engine.
+To keep that small, an engine whose work can be cut finer (embedding inputs are independent)
+asks `budget_s()` how long its next turn may last while others are busy: a share of the
+shortest turn among the other engines that took one lately. Chat steps are not cut: their
+size is what their streams need.
+
+Uncontended, a turn costs one lock round trip (microseconds against milliseconds of decode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# Another engine counts as busy while it waits for a turn or ended one within this window.
+_ACTIVE_S = 0.25
+# Smoothing of each party's mean turn length (the weight of the newest turn).
+_SMOOTHING = 0.2
+
+
+class Party:
+    """One engine's seat at the turns; used from that engine's thread only."""
+
+    def __init__(self, turns: Turns, name: str):
+        self._turns = turns
+        self.name = name
+        self.mean_turn_s = 0.0  # smoothed length of this party's turns (0: none yet)
+        self.last_end = float("-inf")  # monotonic time its last turn ended
+        self.waiting = False
+        self.turns_taken = 0
+        self.waited_s = 0.0  # total time spent waiting for a turn
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Holds the cores for the body; returns once every earlier request has had its turn."""
+        turns = self._turns
+        asked = time.monotonic()
+        with turns.cond:
+            ticket = turns.next_ticket
+            turns.next_ticket += 1
+            self.waiting = True
+            try:
+                while turns.serving != ticket:
+                    turns.cond.wait()
+            except BaseException:  # never leave a ticket behind that nobody will serve
+                turns.abandoned.add(ticket)
+                turns.skip_abandoned()
+                raise
+            finally:
+                self.waiting = False
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            end = time.monotonic()
+            with turns.cond:
+                turns.serving += 1
+                turns.skip_abandoned()
+                length = end - start
+                self.mean_turn_s = (
+                    length if self.turns_taken == 0 else
+                    (1 - _SMOOTHING) * self.mean_turn_s + _SMOOTHING * length
+                )
+                self.last_end = end
+                self.turns_taken += 1
+                self.waited_s += start - asked
+
+    def budget_s(self, share: float) -> float | None:
+        """How long this party's next turn should last: `share` of the shortest mean turn of
+        the other parties busy now, or None when none is (the turn may be as long as it
+        likes)."""
+        now = time.monotonic()
+        with self._turns.cond:
+            others = [
+                p.mean_turn_s
+                for p in self._turns.parties
+                if p is not self and p.turns_taken and (p.waiting or now - p.last_end < _ACTIVE_S)
+            ]
+        return share * min(others) if others else None
+
+    def leave(self) -> None:
+        """The engine stopped: its turns no longer count for the others' budgets."""
+        with self._turns.cond:
+            if self in self._turns.parties:
+                self._turns.parties.remove(self)
+
+
+class Turns:
+    """First asked, first served turns at the cores, shared by the engines of one server."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.next_ticket = 0
+        self.serving = 0
+        self.parties: list[Party] = []
+        self.abandoned: set[int] = set()  # tickets whose holders gave up waiting
+
+    def join(self, name: str) -> Party:
+        party = Party(self, name)
+        with self.cond:
+            self.parties.append(party)
+        return party
+
+    def skip_abandoned(self) -> None:
+        """Under `cond`: moves past tickets nobody waits on and wakes the waiters."""
+        while self.serving in self.abandoned:
+            self.abandoned.remove(self.serving)
+            self.serving += 1
+        self.cond.notify_all()
