@@ -239,11 +239,13 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, d
             return results
         for out in engine.step():
             r = results.setdefault(
-                out.request_id, {"content": "", "reasoning": "", "tokens": [], "final": None}
+                out.request_id,
+                {"content": "", "reasoning": "", "tokens": [], "logprobs": [], "final": None},
             )
             r["content"] += out.content
             r["reasoning"] += out.reasoning
             r["tokens"] += out.token_ids
+            r["logprobs"] += out.logprobs or []
             if out.finished:
                 r["final"] = out
         engine.check_integrity()
