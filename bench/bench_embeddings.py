@@ -10,8 +10,9 @@ order; round 1 is a warm-up and is dropped; median [min, max].
 
 Part 2, ferrum serving minilm and smollm2-135m-instruct: 4 chat streams (greedy, ignore_eos,
 200 tokens) alone, then with the flood of part 1 running; p99 of the streams' inter-token
-gaps, per round. Both with the engines taking turns at the cores (`--engine-turns shared`, the
-default) and without (`off`: the chat and embedding engines decode side by side).
+gaps, per round, and the flood's inputs per second beside the streams. Both with the engines
+taking turns at the cores (`--engine-turns shared`, the default) and without (`off`: the chat
+and embedding engines decode side by side).
 
     .venv/bin/python bench/bench_embeddings.py [--rounds 4] [--threads 2]
 """
@@ -78,17 +79,19 @@ def _server(arm: str, gguf: Path, threads: int, folder: Path) -> ServerProcess:
     return server
 
 
-async def _streams(url: str, flood: list[str] | None) -> float:
-    """p99 inter-token gap of STREAMS chat streams, with or without a flood beside them."""
+async def _streams(url: str, flood: list[str] | None) -> tuple[float, float]:
+    """p99 inter-token gap of STREAMS chat streams, with or without a flood beside them, and
+    the flood's inputs per second (0 without one)."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         samples = [Sample(prompt="Tell me a story.", max_tokens=200) for _ in range(STREAMS)]
         work = [stream_completion(http, "smollm2-135m-instruct", s.prompt, s.max_tokens,
                                   Dialect(), sample=s) for s in samples]
         if flood is not None:
             work.append(_flood(url, "minilm", flood))
-        await asyncio.gather(*work)
+        done = await asyncio.gather(*work)
     gaps = sorted(g for s in samples for g in s.gaps)
-    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    rate = len(flood) / done[-1] if flood is not None else 0.0
+    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], rate
 
 
 def main() -> None:
@@ -117,10 +120,10 @@ def main() -> None:
                 seconds = asyncio.run(_flood(server.url, model, _sentences(r)))
                 row[f"{arm} inputs/s"] = N_SENTENCES / seconds
                 if arm != "llama-server":
-                    row[f"{arm} streams p99 alone"] = asyncio.run(_streams(server.url, None))
-                    row[f"{arm} streams p99 flood"] = asyncio.run(
-                        _streams(server.url, _sentences(r))
-                    )
+                    row[f"{arm} streams p99 alone"] = asyncio.run(_streams(server.url, None))[0]
+                    p99, rate = asyncio.run(_streams(server.url, _sentences(r)))
+                    row[f"{arm} streams p99 flood"] = p99
+                    row[f"{arm} inputs/s beside streams"] = rate
             finally:
                 server.stop()
         rounds.append(row)

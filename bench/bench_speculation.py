@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from ferrum.bench.stats import Spread
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
+ALT_PYTHON = sys.executable  # --alt-python
 MAX_TOKENS = 200
 REQUESTS_PER_CLIENT = 2
 PASSAGE = (Path(__file__).parent / "data" / "speculation_passage.py.txt").read_text()
@@ -44,12 +47,14 @@ TOPICS = ["a lighthouse keeper", "a lost violin", "a city under snow", "a robot 
 # No repetition penalty on either server (ferrum's preset for this model has 1.1, llama-server
 # none): both then write the same greedy text, so tokens per second compare like for like.
 SAME_OUTPUT = {"repetition_penalty": 1.0, "repeat_penalty": 1.0}
-ARMS = {
-    "ferrum ngram": ("ferrum", []),
-    "ferrum none": ("ferrum", ["--spec-type", "none"]),
-    "llama-server none": ("llama-server", []),
-    "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"]),
-    "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"]),
+ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
+    "ferrum ngram": ("ferrum", [], {}),
+    "ferrum none": ("ferrum", ["--spec-type", "none"], {}),
+    # ferrum on another interpreter (--alt-python: e.g. a venv with another llama.cpp build).
+    "ferrum none alt": ("ferrum", ["--spec-type", "none"], {}),
+    "llama-server none": ("llama-server", [], {}),
+    "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"], {}),
+    "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"], {}),
 }
 
 
@@ -66,17 +71,20 @@ def _prompt(workload: str, i: int) -> str:
 
 
 def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
-    kind, extra = ARMS[arm]
+    kind, extra, env = ARMS[arm]
+    python = ALT_PYTHON if arm.endswith(" alt") else sys.executable
     port = free_port()
     model = builtin_path(DEFAULT_CHAT_MODEL)
     if kind == "ferrum":
         cmd = ferrum_command(port, "--threads", str(threads), "--models-dir", str(folder / "m"),
                              "--model", f"bench={model}", "--parallel", "8", "--ctx-size",
                              "8192", *extra)  # fmt: skip
+        cmd[0] = python
     else:
         cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "-np", "8",
                "-c", "8192", "-t", str(threads), "--port", str(port), *extra]  # fmt: skip
-    server = ServerProcess(cmd, folder / f"{arm.replace(' ', '-')}.log", port)
+    server = ServerProcess(cmd, folder / f"{arm.replace(' ', '-')}.log", port,
+                           env={**os.environ, **env} if env else None)  # fmt: skip
     server.wait_ready(server.url, "/health", timeout=300)
     return server
 
@@ -105,13 +113,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--clients", default="1,4")
-    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--workloads", default="copy,prose")
+    ap.add_argument("--alt-python", default=sys.executable,
+                    help="interpreter of the 'ferrum none alt' arm (another llama.cpp build)")
+    ap.add_argument("--arms", default=",".join(a for a in ARMS if not a.endswith(" alt")))
     ap.add_argument("--out", default="bench/results/speculation")
     args = ap.parse_args()
+    global ALT_PYTHON
+    ALT_PYTHON = args.alt_python
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
-    cells = [(w, int(c)) for w in ("copy", "prose") for c in args.clients.split(",")]
+    cells = [(w, int(c)) for w in args.workloads.split(",") for c in args.clients.split(",")]
     rounds = []
     for r in range(args.rounds):
         row: dict[str, float] = {}
