@@ -40,13 +40,11 @@ class Party:
         self.last_end = float("-inf")  # monotonic time its last turn ended
         self.waiting = False
         self.turns_taken = 0
-        self.waited_s = 0.0  # total time spent waiting for a turn
 
     @contextmanager
     def turn(self) -> Iterator[None]:
         """Holds the cores for the body; returns once every earlier request has had its turn."""
         turns = self._turns
-        asked = time.monotonic()
         with turns.cond:
             ticket = turns.next_ticket
             turns.next_ticket += 1
@@ -68,14 +66,12 @@ class Party:
             with turns.cond:
                 turns.serving += 1
                 turns.skip_abandoned()
-                length = end - start
-                self.mean_turn_s = (
-                    length if self.turns_taken == 0 else
-                    (1 - _SMOOTHING) * self.mean_turn_s + _SMOOTHING * length
-                )
+                if self.turns_taken == 0:
+                    self.mean_turn_s = end - start
+                else:
+                    self.mean_turn_s += _SMOOTHING * (end - start - self.mean_turn_s)
                 self.last_end = end
                 self.turns_taken += 1
-                self.waited_s += start - asked
 
     def budget_s(self, share: float) -> float | None:
         """How long this party's next turn should last: `share` of the shortest mean turn of
