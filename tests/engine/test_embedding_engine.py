@@ -427,8 +427,25 @@ def test_a_failed_decode_fails_only_the_requests_in_it():
     assert runner.batches == [[[1]], [[2, 2], [999]], [[3], [4] * 7]]
 
 
-def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits():
-    runner = FakeRunner(n_batch=16, n_seq_max=5, hold=True)
+@pytest.mark.parametrize("beside", ["alone", "a busy chat engine"])
+def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(beside):
+    """Also with a chat engine taking 3 ms turns at the cores all along: a share of its turn
+    is less than the fake's 2 ms fixed cost of a decode, so decodes are cut to one input,
+    and nothing else may change."""
+    from ferrum.engine.turns import Turns
+
+    runner = TimedRunner([], n_batch=16, n_seq_max=5, hold=True)
+    turns = Turns()
+    chat, stop_chat = turns.join("chat"), threading.Event()
+
+    def chat_steps() -> None:
+        while not stop_chat.is_set():
+            with chat.turn():
+                time.sleep(0.003)
+
+    chat_thread = threading.Thread(target=chat_steps)
+    if beside != "alone":
+        chat_thread.start()
     rng = random.Random(3)
     requests = [
         [[rng.randrange(900) for _ in range(rng.randint(1, 16))] for _ in range(rng.randint(1, 6))]
@@ -444,7 +461,12 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits():
         runner.release.set()
         return await asyncio.gather(*tasks, return_exceptions=True), engine.stats()
 
-    answers, stats = serve(runner, body)
+    try:
+        answers, stats = serve(runner, body, turns=turns.join("embeddings"))
+    finally:
+        stop_chat.set()
+        if chat_thread.is_alive():
+            chat_thread.join(5)
     arrival = {id(t): (i, j) for i, r in enumerate(requests) for j, t in enumerate(r)}
     decoded = [arrival[id(t)] for batch in runner.batches for t in batch]
     assert decoded == sorted(set(decoded))  # arrival order, each input at most once
@@ -458,6 +480,11 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits():
         np.testing.assert_array_equal(answer, [FakeRunner.vector(t) for t in request])
     assert stats.dropped_inputs > 0
     assert all(len(b) <= 5 and sum(map(len, b)) <= 16 for b in runner.batches)
+    single = sum(len(b) == 1 for b in runner.batches[8:]) / len(runner.batches[8:])
+    if beside == "alone":
+        assert single < 0.7  # most decodes hold several inputs ...
+    else:
+        assert single > 0.95  # ... unless a chat engine is busy
 
 
 class TimedRunner(FakeRunner):
