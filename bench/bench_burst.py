@@ -8,9 +8,11 @@ requests sent at the same instant, each a short prompt of its own (random words,
 beginning, so nothing can be reused), 64 tokens streamed through /v1/completions. Per burst
 the p50 of the 8 times to first token; per server the median over its bursts. Rounds
 alternate the arm order; round 1 is a warm-up and is dropped; median [min, max] of the
-rest, and the ratio ferrum / llama-server per round.
+rest, and the ratio ferrum / llama-server per round. `--before PATH` adds an arm
+`ferrum-before`: ferrum from another code tree (e.g. a worktree of an older commit), started
+with PYTHONPATH=PATH.
 
-    .venv/bin/python bench/bench_burst.py [--rounds 4] [--threads 2]
+    .venv/bin/python bench/bench_burst.py [--rounds 4] [--threads 2] [--before /tmp/wt]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 from pathlib import Path
@@ -44,16 +47,17 @@ def _prompts(seed: int) -> list[str]:
     return [f"{w} " + " ".join(rng.choice(WORDS) for _ in range(11)) + "." for w in words]
 
 
-def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
+def _server(arm: str, threads: int, folder: Path, before: str) -> ServerProcess:
     port = free_port()
     model = builtin_path(MODEL)
-    if arm == "ferrum":
+    env = {**os.environ, "PYTHONPATH": before} if arm == "ferrum-before" else None
+    if arm.startswith("ferrum"):
         cmd = ferrum_command(port, "--threads", str(threads), "--models-dir", str(folder / "m"),
                              "--model", f"bench={model}", "--parallel", "8")  # fmt: skip
     else:
         cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "-np", "8",
                "-c", "8192", "-t", str(threads), "--port", str(port)]  # fmt: skip
-    server = ServerProcess(cmd, folder / f"{arm}.log", port)
+    server = ServerProcess(cmd, folder / f"{arm}.log", port, env=env)
     server.wait_ready(server.url, "/health", timeout=300)
     return server
 
@@ -72,15 +76,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench/results/burst")
+    ap.add_argument("--before", default="", help="code tree of a ferrum-before arm")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    arms = ["ferrum", "llama-server"]
+    arms = ["ferrum", "llama-server"] + (["ferrum-before"] if args.before else [])
     rounds = []
     for r in range(args.rounds):
         row: dict[str, float] = {}
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            server = _server(arm, args.threads, out)
+            server = _server(arm, args.threads, out, str(Path(args.before).resolve()))
             try:
                 asyncio.run(_burst(server.url, -1 - r))  # warm-up
                 p50s = [asyncio.run(_burst(server.url, r * 100 + b)) for b in range(BURSTS)]
@@ -94,9 +99,12 @@ def main() -> None:
     for arm in arms:
         s = Spread.of(row[arm] for row in kept)
         print(f"{arm} TTFT p50: {s.median:.3f} s [{s.lo:.3f}, {s.hi:.3f}]" if s else f"{arm}: n/a")
-    ratio = Spread.of(row["ferrum"] / row["llama-server"] for row in kept)
-    if ratio:
-        print(f"ferrum / llama-server: ×{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}]")
+    for arm in arms:
+        if arm.startswith("ferrum"):
+            ratio = Spread.of(row[arm] / row["llama-server"] for row in kept)
+            if ratio:
+                print(f"{arm} / llama-server: ×{ratio.median:.2f} "
+                      f"[{ratio.lo:.2f}, {ratio.hi:.2f}]")  # fmt: skip
 
 
 if __name__ == "__main__":
