@@ -23,7 +23,7 @@ from ferrum.engine.engine import LLMEngine
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.request import FinishReason, SamplingParams
-from ferrum.engine.turns import Party
+from ferrum.engine.turns import Party, Turns
 from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
 log = logging.getLogger("ferrum.engine")
@@ -104,7 +104,9 @@ class AsyncEngine:
         turns: Party | None = None,
     ):
         self.core = core
-        self._party = turns  # each step runs in a turn at the cores shared with other engines
+        # Each step runs in a turn at the cores shared with the server's other engines (alone:
+        # a seat of its own, never contended).
+        self._party = turns if turns is not None else Turns().join("engine")
         self._gather_quiet_s, self._gather_max_s = gather
         # Requests in flight beyond those that can run at once wait; past this, submit refuses.
         self.capacity = core.scheduler.max_running + max_queue
@@ -126,8 +128,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        if self._party is not None:
-            self._party.leave()
+        self._party.leave()
 
     @property
     def alive(self) -> bool:
@@ -189,7 +190,8 @@ class AsyncEngine:
                 if core.stalled:
                     time.sleep(_STALLED_WAIT_S)  # waiting on a disk read or a donor: no spin
                 try:
-                    outputs.extend(self._step())
+                    with self._party.turn():
+                        outputs.extend(core.step())
                 except Exception:  # never let one bad step kill the server
                     log.exception("engine step failed; failing the requests in flight")
                     outputs.extend(core.fail_all("internal engine error"))
@@ -205,12 +207,6 @@ class AsyncEngine:
             core.shutdown()
         except Exception:  # a stop goes on without what could not be saved
             log.exception("could not save the prefix cache at shutdown")
-
-    def _step(self) -> list[RequestOutput]:
-        if self._party is None:
-            return self.core.step()
-        with self._party.turn():
-            return self.core.step()
 
     def _check_idle(self) -> None:
         """The ledger check when idle; a broken ledger is a bug to report, not a reason to die."""

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ferrum.engine.batch import Vocabulary
-from ferrum.engine.turns import Party
+from ferrum.engine.turns import DecodeCost, Party, Turns
 from ferrum.errors import (
     EngineError,
     FerrumError,
@@ -130,7 +130,8 @@ class EmbeddingEngine:
         turns: Party | None = None,
     ):
         self._runner = runner
-        self._party = turns
+        # Alone (no server's turns given): a seat of its own, never contended.
+        self._party = turns if turns is not None else Turns().join("embeddings")
         self._cost = DecodeCost()
         self._info = runner.info
         self._max_queue = max_queue_inputs
@@ -173,8 +174,7 @@ class EmbeddingEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        if self._party is not None:
-            self._party.leave()
+        self._party.leave()
 
     async def embed(self, inputs: list[list[int]]) -> list[Vector]:
         """Each input's vector, in input order. The lists must not change until answered."""
@@ -221,11 +221,8 @@ class EmbeddingEngine:
                 answers: list[tuple[_Job, FerrumError | None]] = []
                 batch = self._next_batch(pending, self._token_limit())
                 if batch:
-                    if self._party is None:
+                    with self._party.turn():
                         self._decode(batch, answers)
-                    else:
-                        with self._party.turn():
-                            self._decode(batch, answers)
                 self._post(answers)
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("the embedding engine failed")
@@ -264,7 +261,7 @@ class EmbeddingEngine:
 
     def _token_limit(self) -> int:
         """Most tokens in the next decode: the runner's, or what fits the turn's budget."""
-        budget = None if self._party is None else self._party.budget_s(TURN_SHARE)
+        budget = self._party.budget_s(TURN_SHARE)
         if budget is None:
             return self._info.n_batch
         return min(self._info.n_batch, self._cost.tokens_within(budget))
@@ -350,42 +347,6 @@ class EmbeddingEngine:
         loop = self._loop
         if answers and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_resolve, answers)
-
-
-class DecodeCost:
-    """A decode's seconds as fixed + per-token cost, fitted to the recent decodes (least
-    squares), so a turn's budget can be turned into tokens."""
-
-    WINDOW = 32
-    UNMEASURED_TOKENS = 64  # the limit before any decode was timed
-
-    def __init__(self) -> None:
-        self._points: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self._points.append((tokens, seconds))
-
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before any decode."""
-        if not self._points:
-            return None
-        xs = np.array([t for t, _ in self._points], dtype=np.float64)
-        ys = np.array([s for _, s in self._points], dtype=np.float64)
-        spread = xs - xs.mean()
-        var = float(spread @ spread)
-        if var > 0:
-            per_token = float(spread @ (ys - ys.mean())) / var
-            if per_token > 0:
-                return max(0.0, float(ys.mean() - per_token * xs.mean())), per_token
-        return 0.0, float(ys.sum() / xs.sum())  # one size only: all of it per token
-
-    def tokens_within(self, seconds: float) -> int:
-        """Most tokens a decode may hold to last about `seconds` (at least 1)."""
-        fit = self.fit()
-        if fit is None:
-            return self.UNMEASURED_TOKENS
-        fixed, per_token = fit
-        return max(1, int((seconds - fixed) / per_token)) if per_token > 0 else 1 << 30
 
 
 def _resolve(answers: list[tuple[_Job, FerrumError | None]]) -> None:

@@ -11,8 +11,8 @@ it, and then the others wait for it. Nobody starves.
 That alone bounds a chat stream's gap by its own step plus one turn of each other busy engine.
 To keep that small, an engine whose work can be cut finer (embedding inputs are independent)
 asks `budget_s()` how long its next turn may last while others are busy: a share of the
-shortest turn among the other engines that took one lately. Chat steps are not cut: their
-size is what their streams need.
+shortest turn among the other engines that took one lately, turned into work by its
+`DecodeCost`. Chat steps are not cut: their size is what their streams need.
 
 Uncontended, a turn costs one lock round trip (microseconds against milliseconds of decode).
 """
@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import numpy as np
 
 # Another engine counts as busy while it waits for a turn or ended one within this window.
 _ACTIVE_S = 0.25
@@ -115,3 +118,39 @@ class Turns:
             self.abandoned.remove(self.serving)
             self.serving += 1
         self.cond.notify_all()
+
+
+class DecodeCost:
+    """A decode's seconds as fixed + per-token cost, fitted to the recent decodes (least
+    squares), so a turn's budget can be turned into tokens."""
+
+    WINDOW = 32
+    UNMEASURED_TOKENS = 64  # the limit before any decode was timed
+
+    def __init__(self) -> None:
+        self._points: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._points.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before any decode."""
+        if not self._points:
+            return None
+        xs = np.array([t for t, _ in self._points], dtype=np.float64)
+        ys = np.array([s for _, s in self._points], dtype=np.float64)
+        spread = xs - xs.mean()
+        var = float(spread @ spread)
+        if var > 0:
+            per_token = float(spread @ (ys - ys.mean())) / var
+            if per_token > 0:
+                return max(0.0, float(ys.mean() - per_token * xs.mean())), per_token
+        return 0.0, float(ys.sum() / xs.sum())  # one size only: all of it per token
+
+    def tokens_within(self, seconds: float) -> int:
+        """Most tokens a decode may hold to last about `seconds` (at least 1)."""
+        fit = self.fit()
+        if fit is None:
+            return self.UNMEASURED_TOKENS
+        fixed, per_token = fit
+        return max(1, int((seconds - fixed) / per_token)) if per_token > 0 else 1 << 30

@@ -14,8 +14,7 @@ import time
 import pytest
 
 from ferrum.engine import turns as turns_module
-from ferrum.engine.embedding import DecodeCost
-from ferrum.engine.turns import Turns
+from ferrum.engine.turns import DecodeCost, Turns
 
 
 def _wait_until(condition, timeout: float = 5.0) -> None:
