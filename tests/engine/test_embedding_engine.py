@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import gguf
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ferrum.engine.embedding import POOLINGS, EmbeddingEngine, EmbeddingInfo
 from ferrum.engine.embedding_runner import _POOLING_TYPES, EmbeddingRunner
@@ -427,11 +429,11 @@ def test_a_failed_decode_fails_only_the_requests_in_it():
     assert runner.batches == [[[1]], [[2, 2], [999]], [[3], [4] * 7]]
 
 
-@pytest.mark.parametrize("beside", ["alone", "a busy chat engine"])
-def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(beside):
-    """Also with a chat engine taking 3 ms turns at the cores all along: a share of its turn
-    is less than the fake's 2 ms fixed cost of a decode, so decodes are cut to one input,
-    and nothing else may change."""
+def _random_traffic(requests, cancel, busy_chat: bool):
+    """Submits `requests` in order (the first decode held until all are in), cancels those
+    in `cancel`, and serves them beside a chat party that holds 3 ms turns all along when
+    `busy_chat`; checks that each is answered as if alone, in arrival order, within the
+    runner's limits. Returns the runner and the stats."""
     from ferrum.engine.turns import Turns
 
     runner = TimedRunner([], n_batch=16, n_seq_max=5, hold=True)
@@ -444,14 +446,8 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(besi
                 time.sleep(0.003)
 
     chat_thread = threading.Thread(target=chat_steps)
-    if beside != "alone":
+    if busy_chat:
         chat_thread.start()
-    rng = random.Random(3)
-    requests = [
-        [[rng.randrange(900) for _ in range(rng.randint(1, 16))] for _ in range(rng.randint(1, 6))]
-        for _ in range(200)
-    ]
-    cancel = set(rng.sample(range(200), 20))
 
     async def body(engine):
         tasks = [asyncio.create_task(engine.embed(r)) for r in requests]
@@ -478,13 +474,44 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(besi
             continue
         assert ran == list(range(len(request)))
         np.testing.assert_array_equal(answer, [FakeRunner.vector(t) for t in request])
-    assert stats.dropped_inputs > 0
     assert all(len(b) <= 5 and sum(map(len, b)) <= 16 for b in runner.batches)
+    return runner, stats
+
+
+@pytest.mark.parametrize("beside", ["alone", "a busy chat engine"])
+def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(beside):
+    """Also with a chat engine taking 3 ms turns at the cores all along: a share of its turn
+    is less than the fake's 2 ms fixed cost of a decode, so decodes are cut to one input,
+    and nothing else may change."""
+    rng = random.Random(3)
+    requests = [
+        [[rng.randrange(900) for _ in range(rng.randint(1, 16))] for _ in range(rng.randint(1, 6))]
+        for _ in range(200)
+    ]
+    cancel = set(rng.sample(range(200), 20))
+    runner, stats = _random_traffic(requests, cancel, busy_chat=beside != "alone")
+    assert stats.dropped_inputs > 0
     single = sum(len(b) == 1 for b in runner.batches[8:]) / len(runner.batches[8:])
     if beside == "alone":
         assert single < 0.7  # most decodes hold several inputs ...
     else:
         assert single > 0.95  # ... unless a chat engine is busy
+
+
+_TOKENS = st.lists(st.integers(0, 899), min_size=1, max_size=16)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(st.lists(_TOKENS, min_size=1, max_size=4), min_size=1, max_size=10),
+    cancel=st.sets(st.integers(0, 9), max_size=3),
+    busy_chat=st.booleans(),
+)
+def test_turns_change_no_answer_under_hypothesis_traffic(requests, cancel, busy_chat):
+    """The oracle with the turns on and off: whatever the traffic, with or without a chat
+    engine holding turns beside it, every request is answered as if alone (cut batches
+    change which decode an input rides in, never its vector)."""
+    _random_traffic(requests, {i for i in cancel if i < len(requests)}, busy_chat)
 
 
 class TimedRunner(FakeRunner):
