@@ -33,6 +33,7 @@ import httpx
 
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from ferrum.bench.stats import Spread
+from ferrum.models.builtin import DEFAULT_CHAT_MODEL
 
 BURST = 8  # requests at once
 BURSTS = 3  # bursts one after the other, so the window holds enough gaps
@@ -50,7 +51,7 @@ def _burst_bodies(kind: str, round_: int) -> list[dict]:
     bodies = []
     for i in range(BURST):
         tag = round_ * 100 + i
-        body: dict = {"model": "m", "max_tokens": 1}
+        body: dict = {"model": DEFAULT_CHAT_MODEL, "max_tokens": 1}
         if kind == "schemas":
             body["messages"] = [{"role": "user", "content": f"Fill record {tag}."}]
             body["response_format"] = {
@@ -66,7 +67,7 @@ def _burst_bodies(kind: str, round_: int) -> list[dict]:
 
 async def _stream(client: httpx.AsyncClient, stamps: list[float], tag: int) -> None:
     body = {
-        "model": "m",
+        "model": DEFAULT_CHAT_MODEL,
         "prompt": f"Story {tag}: once upon a time",
         "max_tokens": STREAM_TOKENS,
         "ignore_eos": True,

@@ -25,8 +25,10 @@ def free_port() -> int:
 
 
 def ferrum_command(port: int, *flags: str) -> list[str]:
-    """`ferrum serve` on `port` with this interpreter (the installed package)."""
-    return [sys.executable, "-m", "ferrum.cli", "serve", "--port", str(port), *flags]
+    """`ferrum serve` on `port` with this interpreter (the installed package, or the tree that
+    PYTHONPATH names). `-P`: without it `-m` puts the working folder first on sys.path, and a
+    bench run from a checkout would start that checkout's ferrum whatever PYTHONPATH says."""
+    return [sys.executable, "-P", "-m", "ferrum.cli", "serve", "--port", str(port), *flags]
 
 
 def port_is_free(port: int) -> bool:
