@@ -33,6 +33,7 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
+from ferrum.engine.compute import compute
 from ferrum.engine.embedding import POOLINGS, EmbeddingInfo, Vector
 from ferrum.engine.runner import route_llama_logs
 from ferrum.engine.vocab import LlamaVocab
@@ -205,7 +206,7 @@ class EmbeddingRunner:
             last.append(n - 1)
         batch.n_tokens = n
         try:
-            rc = int(ll.llama_decode(self._ctx, batch))
+            rc = int(compute().run(lambda: ll.llama_decode(self._ctx, batch)))
             if rc != 0:
                 raise EngineError(f"llama_decode={rc} for {len(inputs)} inputs of {n} tokens")
             return [self._read(seq, last[seq]) for seq in range(len(inputs))]

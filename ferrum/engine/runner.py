@@ -27,6 +27,7 @@ import llama_cpp as ll
 
 from ferrum.config import EngineConfig
 from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
+from ferrum.engine.compute import compute
 from ferrum.engine.request import SamplingParams
 from ferrum.engine.sampler import Sampler
 from ferrum.engine.vocab import LlamaVocab
@@ -267,7 +268,7 @@ class LlamaRunner:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
         batch.n_tokens = n
         result.decode_calls += 1
-        rc = int(ll.llama_decode(self._ctx, batch))
+        rc = int(compute().run(lambda: ll.llama_decode(self._ctx, batch)))
         if rc != 0:
             return rc
         for i, b, request_id in sample_at:
@@ -374,7 +375,7 @@ class _WindowProbe:
             batch.seq_id[i][0], batch.logits[i] = self._probe, i
         batch.n_tokens = 2
         try:
-            if ll.llama_decode(self._ctx, batch) != 0:
+            if compute().run(lambda: ll.llama_decode(self._ctx, batch)) != 0:
                 raise ModelLoadError("llama.cpp could not decode two tokens at start-up")
             two = self._size(self._probe)
             ll.llama_memory_seq_rm(self._mem, self._probe, 1, -1)
