@@ -6,7 +6,8 @@ Arms, one server at a time, same GGUF (Gemma 3 270M, the benchmarks' model) and 
 bench/build_llama_server.sh). Per server: one warm-up burst, then BURSTS bursts of 8
 requests sent at the same instant, each a short prompt of its own (random words, no shared
 beginning, so nothing can be reused), 64 tokens streamed through /v1/completions. Per burst
-the p50 of the 8 times to first token; per server the median over its bursts. Rounds
+the p50 of the 8 times to first token (the goal), their mean and their longest, and the time
+until the burst's last request ended; per server the median over its bursts. Rounds
 alternate the arm order; round 1 is a warm-up and is dropped; median [min, max] of the
 rest, and the ratio ferrum / llama-server per round. `--before PATH` adds an arm
 `ferrum-before`: ferrum from another code tree (e.g. a worktree of an older commit), started
@@ -34,6 +35,7 @@ from ferrum.bench.stats import Spread
 from ferrum.models.builtin import builtin_path
 
 CLIENTS, TOKENS, BURSTS = 8, 64, 6
+METRICS = ("ttft_p50", "ttft_mean", "ttft_max", "burst_end")
 MODEL = "gemma3-270m"
 _TEXT = ("river stone lamp violin harbor meadow copper lantern orchard glacier falcon "
          "compass thimble quartz saddle ember willow canyon parcel ribbon tundra beacon "
@@ -62,13 +64,19 @@ def _server(arm: str, threads: int, folder: Path, before: str) -> ServerProcess:
     return server
 
 
-async def _burst(url: str, seed: int) -> float:
-    """TTFT p50 of one burst of CLIENTS requests sent together."""
+async def _burst(url: str, seed: int) -> dict[str, float]:
+    """One burst of CLIENTS requests sent together: its TTFT p50 (the goal's metric), mean and
+    longest, and the time until its last request ended."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as http:
         samples = await asyncio.gather(
             *(stream_completion(http, "bench", p, TOKENS, Dialect()) for p in _prompts(seed))
         )
-    return statistics.median(s.ttft_s for s in samples if s.ttft_s is not None)
+    ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
+    if len(ttfts) < len(samples):
+        raise RuntimeError("a request of the burst streamed no token")
+    start = min(s.t_start for s in samples)
+    return {"ttft_p50": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
+            "ttft_max": max(ttfts), "burst_end": max(s.t_end for s in samples) - start}  # fmt: skip
 
 
 def main() -> None:
@@ -88,23 +96,24 @@ def main() -> None:
             server = _server(arm, args.threads, out, str(Path(args.before).resolve()))
             try:
                 asyncio.run(_burst(server.url, -1 - r))  # warm-up
-                p50s = [asyncio.run(_burst(server.url, r * 100 + b)) for b in range(BURSTS)]
-                row[arm] = statistics.median(p50s)
+                bursts = [asyncio.run(_burst(server.url, r * 100 + b)) for b in range(BURSTS)]
+                for metric in METRICS:
+                    row[f"{arm} {metric}"] = statistics.median(b[metric] for b in bursts)
             finally:
                 server.stop()
         rounds.append(row)
         print(f"round {r + 1}: {json.dumps({k: round(v, 4) for k, v in row.items()})}", flush=True)
     (out / "rounds.json").write_text(json.dumps(rounds, indent=1))
     kept = rounds[1:] if len(rounds) > 1 else rounds
-    for arm in arms:
-        s = Spread.of(row[arm] for row in kept)
-        print(f"{arm} TTFT p50: {s.median:.3f} s [{s.lo:.3f}, {s.hi:.3f}]" if s else f"{arm}: n/a")
-    for arm in arms:
-        if arm.startswith("ferrum"):
-            ratio = Spread.of(row[arm] / row["llama-server"] for row in kept)
-            if ratio:
-                print(f"{arm} / llama-server: ×{ratio.median:.2f} "
-                      f"[{ratio.lo:.2f}, {ratio.hi:.2f}]")  # fmt: skip
+    for metric in METRICS:
+        for arm in arms:
+            key = f"{arm} {metric}"
+            s = Spread.of(row[key] for row in kept)
+            line = f"{key}: {s.median:.3f} s [{s.lo:.3f}, {s.hi:.3f}]" if s else f"{key}: n/a"
+            ratio = Spread.of(row[key] / row[f"llama-server {metric}"] for row in kept)
+            if arm.startswith("ferrum") and ratio:
+                line += f"  ×{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}] of llama-server"
+            print(line)
 
 
 if __name__ == "__main__":
