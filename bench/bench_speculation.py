@@ -2,14 +2,16 @@
 without speculation and with its n-gram modes, on the default chat model.
 
 Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
-`ferrum serve` (--spec-type ngram, the default) and `--spec-type none`; `llama-server` built
-the way its users build it (bench/build_llama_server.sh: cmake defaults) with `--spec-type
-none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
+`ferrum serve` (--spec-type ngram, the default), the same with `--spec-recent 0` (guesses
+from a request's own tokens only, not from earlier requests') and `--spec-type none`;
+`llama-server` built the way its users build it (bench/build_llama_server.sh: cmake defaults)
+with `--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
 
 Workloads, through /v1/completions with the chat template already applied (so every server
 sees the same tokens), greedy without repetition penalty (both servers write the same
 text), 200 tokens, at 1 and 4 clients (each client sends its
-requests one after another):
+requests one after another; one server serves every cell of a round, so a later request may
+guess from any earlier one's answer, as on a server in use):
 - copy: "rewrite this code" over a 30-line Python passage (bench/data); the model copies
   most of it, so its output repeats its input.
 - prose: a short story on a topic of its own per request; nothing to copy.
@@ -49,6 +51,8 @@ TOPICS = ["a lighthouse keeper", "a lost violin", "a city under snow", "a robot 
 SAME_OUTPUT = {"repetition_penalty": 1.0, "repeat_penalty": 1.0}
 ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     "ferrum ngram": ("ferrum", [], {}),
+    # Guesses from the request's own tokens only, not from earlier requests' (--spec-recent 0).
+    "ferrum ngram own": ("ferrum", ["--spec-recent", "0"], {}),
     "ferrum none": ("ferrum", ["--spec-type", "none"], {}),
     # ferrum on another interpreter (--alt-python: e.g. a venv with another llama.cpp build).
     "ferrum none alt": ("ferrum", ["--spec-type", "none"], {}),

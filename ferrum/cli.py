@@ -124,8 +124,8 @@ def _check(engine: EngineConfig, models: ModelsConfig) -> None:
         raise ValueError("--engine-turns must be shared or off")
     if not 1 <= engine.spec_ngram_min <= engine.spec_ngram_max:
         raise ValueError("--spec-ngram-min must be at least 1 and at most --spec-ngram-max")
-    if engine.spec_draft_max < 0 or engine.spec_batch_max < 0:
-        raise ValueError("--spec-draft-max and --spec-batch-max must be 0 or more")
+    if engine.spec_draft_max < 0 or engine.spec_batch_max < 0 or engine.spec_recent < 0:
+        raise ValueError("--spec-draft-max, --spec-batch-max and --spec-recent must be 0 or more")
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig) -> None:

@@ -114,6 +114,14 @@ class EngineConfig:
         default=12,
         metadata=_flag("--spec-ngram-max", help="longest n-gram tried first"),
     )
+    spec_recent: int = field(
+        default=8,
+        metadata=_flag(
+            "--spec-recent",
+            help="finished requests whose tokens a request may guess from when its own offer "
+            "no match (a retry or regeneration repeats an earlier answer; 0: its own only)",
+        ),
+    )
     spec_batch_max: int = field(
         default=16,
         metadata=_flag(

@@ -16,7 +16,9 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
 
 The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
 `ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
-it, as many tokens as the match is longer than `ngram_min` (plus one). Lengths adapt per
+it, as many tokens as the match is longer than `ngram_min` (plus one); where the request's
+own tokens offer no match, the same lookup runs over the model's latest finished requests
+(`RecentSequences`: a regeneration or a retry repeats an earlier answer). Lengths adapt per
 request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
 to what was accepted plus one otherwise, and a request whose drafts keep failing
 stops drafting for a while. Across the step, `batch_max` bounds the draft tokens of all
@@ -29,6 +31,7 @@ for sliding-window models (the window cache may recycle cells a rollback needs a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,6 +52,7 @@ class SpecConfig:
     ngram_min: int = 3
     ngram_max: int = 12
     batch_max: int = 16  # draft tokens of all requests in one step
+    recent: int = 8  # finished requests kept to guess from (RecentSequences)
 
     @property
     def enabled(self) -> bool:
@@ -57,7 +61,7 @@ class SpecConfig:
     @classmethod
     def from_engine_config(cls, cfg: EngineConfig) -> SpecConfig:
         return cls(cfg.spec_type, cfg.spec_draft_max, cfg.spec_ngram_min, cfg.spec_ngram_max,
-                   cfg.spec_batch_max)  # fmt: skip
+                   cfg.spec_batch_max, cfg.spec_recent)  # fmt: skip
 
 
 class Drafter(Protocol):
@@ -83,17 +87,22 @@ class NgramDrafter:
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
-        found: list[int] = []
-        for n in self._sizes:
-            if end > n:
-                follow = self._tables[n].get(tuple(tokens[end - n : end]))
-                if follow is not None:
-                    # As long a guess as the evidence: a match of the shortest n-gram
-                    # guesses one token, each longer match one more.
-                    found = list(tokens[follow : follow + min(k, n - self._min + 1)])
-                    break
+        found = self.follow(tokens, tokens, k)
         self._index(tokens, end)
         return found
+
+    def follow(self, tokens: Sequence[int], source: Sequence[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence, in `source` (the tokens these tables
+        index), of the longest suffix n-gram of `tokens` that occurs there."""
+        end = len(tokens)
+        for n in self._sizes:
+            if end >= n:
+                at = self._tables[n].get(tuple(tokens[end - n : end]))
+                if at is not None and at < len(source):
+                    # As long a guess as the evidence: a match of the shortest n-gram
+                    # guesses one token, each longer match one more.
+                    return list(source[at : at + min(k, n - self._min + 1)])
+        return []
 
     def _index(self, tokens: Sequence[int], last: int) -> None:
         """Adds the n-grams ending at positions up to `last` (exclusive ends)."""
@@ -102,6 +111,37 @@ class NgramDrafter:
                 if stop >= n:
                     table[tuple(tokens[stop - n : stop])] = stop
         self._indexed = max(self._indexed, last + 1)
+
+
+class RecentSequences:
+    """The n-grams of the model's latest finished requests (prompt and output), for a request
+    whose own tokens offer no match: a regenerated answer, an agent's retry, the same document
+    asked about again repeat an earlier sequence. Each keeps the tables its drafter built
+    while it ran; the oldest go first past `max_sequences` or `max_tokens` in all."""
+
+    def __init__(self, max_sequences: int = 8, max_tokens: int = 16_384):
+        self._max_sequences, self._max_tokens = max_sequences, max_tokens
+        self._sequences: deque[tuple[tuple[int, ...], NgramDrafter]] = deque()
+        self._tokens = 0
+
+    def add(self, tokens: Sequence[int], drafter: NgramDrafter) -> None:
+        if len(tokens) > self._max_tokens or self._max_sequences == 0:
+            return
+        self._sequences.append((tuple(tokens), drafter))
+        self._tokens += len(tokens)
+        while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
+            self._tokens -= len(self._sequences.popleft()[0])
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """The newest finished sequence's continuation of the longest suffix match."""
+        for source, drafter in reversed(self._sequences):
+            found = drafter.follow(tokens, source, k)
+            if found:
+                return found
+        return []
+
+    def __len__(self) -> int:
+        return len(self._sequences)
 
 
 @dataclass
@@ -134,6 +174,10 @@ class Speculator:
     drafted: int = 0
     accepted: int = 0
     _states: dict[str, DraftState] = field(default_factory=dict)
+    recent: RecentSequences = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recent = RecentSequences(max_sequences=self.config.recent)
 
     def wants(self, req: Request) -> bool:
         setting = req.params.speculate
@@ -150,8 +194,12 @@ class Speculator:
         if req.num_output_tokens < state.paused_until:
             return []
         # Never draft past max_tokens: those positions could never be kept.
-        left = req.params.max_tokens - req.num_output_tokens - 1
-        return state.drafter.propose(req.all_token_ids, min(room, state.length, left))
+        k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return state.drafter.propose(req.all_token_ids, k) or self.recent.propose(
+            req.all_token_ids, k
+        )
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -161,4 +209,7 @@ class Speculator:
             state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)
 
     def forget(self, req: Request) -> None:
-        self._states.pop(req.request_id, None)
+        state = self._states.pop(req.request_id, None)
+        if state is not None and isinstance(state.drafter, NgramDrafter):
+            state.drafter.propose(req.all_token_ids, 0)  # index its last tokens too
+            self.recent.add(req.all_token_ids, state.drafter)

@@ -306,6 +306,21 @@ SpeculatingEngineMachine.TestCase.settings = machine_settings(100)
 TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
 
 
+class NgramEngineMachine(SpeculatingEngineMachine):
+    """The same traffic with the real n-gram drafter: guesses from each request's own tokens
+    and from the requests finished before it (the traffic repeats earlier prompts and
+    conversations), right or wrong as they come."""
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        spec = SpecConfig(draft_max=4, batch_max=8, ngram_min=1, ngram_max=4)
+        return runner, LLMEngine(runner, block_size=8, max_running=3, speculation=spec)
+
+
+NgramEngineMachine.TestCase.settings = machine_settings(100)
+TestNgramEngineStateMachine = NgramEngineMachine.TestCase
+
+
 class TieredEngineMachine(EngineMachine):
     """The same traffic with every evicted sequence saved to a RAM tier of a few entries and
     a disk tier behind it, restored (whole or cut back) instead of recomputed, and restarts on

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.speculation import DraftState, NgramDrafter, SpecConfig
+from ferrum.engine.speculation import DraftState, NgramDrafter, RecentSequences, SpecConfig
 from tests.factories import (
     EOS,
     FakeRunner,
@@ -48,6 +48,65 @@ def test_draft_lengths_adapt_and_pause_after_failures():
     for _ in range(4):
         state.update(drafted=2, accepted=0, draft_max=8, num_output=20)
     assert state.paused_until > 20
+
+
+def _finished(tokens: list[int]) -> NgramDrafter:
+    d = NgramDrafter(2, 4)
+    d.propose(tokens, 0)  # indexes every n-gram, as a finished request's drafter has
+    return d
+
+
+def test_recent_sequences_continue_a_match_from_the_newest_finished_one():
+    recent = RecentSequences(max_sequences=2, max_tokens=100)
+    older, newer = [1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8, 9]
+    recent.add(older, _finished(older))
+    recent.add(newer, _finished(newer))
+    assert recent.propose([0, 2, 3], 4) == [7]  # "2 3" in both: the newer one's sequel
+    assert recent.propose([5, 9, 2, 3], 4) == [7, 8]  # a 3-gram match: two tokens
+    assert recent.propose([0, 4, 5], 4) == [6]  # only in the older one
+    assert recent.propose([5, 6], 4) == []  # "5 6" ends its sequence: nothing follows
+    assert recent.propose([0, 0, 0], 4) == []
+
+
+def test_recent_sequences_are_bounded_oldest_out():
+    recent = RecentSequences(max_sequences=2, max_tokens=10)
+    for base in (10, 20, 30):
+        seq = [base, base + 1, base + 2, base + 3]
+        recent.add(seq, _finished(seq))
+    assert len(recent) == 2 and recent.propose([10, 11], 2) == []
+    assert recent.propose([30, 31], 2) == [32]
+    long = list(range(100, 111))
+    recent.add(long, _finished(long))  # longer than the whole bound: not kept
+    assert len(recent) == 2 and recent.propose([100, 101], 2) == []
+    seq = list(range(40, 47))
+    recent.add(seq, _finished(seq))  # 7 tokens: 4 + 7 > 10, so the oldest goes
+    assert len(recent) == 1
+
+
+def _repeat(recent: int) -> tuple[dict, dict, int]:
+    """The same prompt twice, one after the other: both outputs and the guesses kept for the
+    second."""
+    runner = FakeRunner(info=model_info(n_ctx=512, n_batch=32, n_seq_max=8))
+    spec = SpecConfig(ngram_min=2, ngram_max=4, recent=recent)
+    engine = LLMEngine(runner, block_size=8, max_running=2, speculation=spec)
+    assert engine.speculator is not None
+    prompt = [256, *b"seed 17:"]
+    engine.add_request("a", prompt, sampling(max_tokens=40))
+    first = run_to_completion(engine)
+    before = engine.speculator.accepted
+    engine.add_request("b", prompt, sampling(max_tokens=40))
+    second = run_to_completion(engine)
+    return first["a"], second["b"], engine.speculator.accepted - before
+
+
+def test_a_repeated_request_guesses_from_the_earlier_answer():
+    """The second time, its own tokens hold no match, but the first answer does: most tokens
+    come from kept guesses (3 a step with 4-grams), and the output is the same."""
+    first, second, kept = _repeat(recent=8)
+    assert second["tokens"] == first["tokens"]
+    assert kept >= 25
+    _, alone, kept_alone = _repeat(recent=0)  # --spec-recent 0: its own tokens only
+    assert alone["tokens"] == first["tokens"] and kept_alone < 5
 
 
 class OracleDrafter:
