@@ -16,9 +16,9 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
 
 The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
 `ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
-it, as many tokens as the match is longer than `ngram_min` (plus one); where the request's
-own tokens offer no match, the same lookup runs over the model's latest finished requests
-(`RecentSequences`: a regeneration or a retry repeats an earlier answer). Lengths adapt per
+it, as many tokens as the match is longer than `ngram_min` (plus one). The same lookup runs
+over the model's latest finished requests (`RecentSequences`: a regeneration or a retry
+repeats an earlier answer), and the longer of the two matches gives the guess. Lengths adapt per
 request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
 to what was accepted plus one otherwise, and a request whose drafts keep failing
 stops drafting for a while. Across the step, `batch_max` bounds the draft tokens of all
@@ -70,6 +70,10 @@ class Drafter(Protocol):
         ...
 
 
+Match = tuple[int, list[int]]  # (length of the n-gram matched, the tokens that followed it)
+_NO_MATCH: Match = (0, [])
+
+
 class NgramDrafter:
     """Proposes what followed the latest earlier occurrence of the longest suffix n-gram.
 
@@ -85,13 +89,17 @@ class NgramDrafter:
         self._indexed = 0  # n-grams ending before this position are in the tables
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        return self.propose_matched(tokens, k)[1]
+
+    def propose_matched(self, tokens: Sequence[int], k: int) -> Match:
+        """The guess and the length of the n-gram it follows (0: none)."""
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
         found = self.follow(tokens, tokens, k)
         self._index(tokens, end)
         return found
 
-    def follow(self, tokens: Sequence[int], source: Sequence[int], k: int) -> list[int]:
+    def follow(self, tokens: Sequence[int], source: Sequence[int], k: int) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
         index), of the longest suffix n-gram of `tokens` that occurs there."""
         end = len(tokens)
@@ -101,8 +109,8 @@ class NgramDrafter:
                 if at is not None and at < len(source):
                     # As long a guess as the evidence: a match of the shortest n-gram
                     # guesses one token, each longer match one more.
-                    return list(source[at : at + min(k, n - self._min + 1)])
-        return []
+                    return n, list(source[at : at + min(k, n - self._min + 1)])
+        return _NO_MATCH
 
     def _index(self, tokens: Sequence[int], last: int) -> None:
         """Adds the n-grams ending at positions up to `last` (exclusive ends)."""
@@ -115,7 +123,7 @@ class NgramDrafter:
 
 class RecentSequences:
     """The n-grams of the model's latest finished requests (prompt and output), for a request
-    whose own tokens offer no match: a regenerated answer, an agent's retry, the same document
+    whose own tokens match less: a regenerated answer, an agent's retry, the same document
     asked about again repeat an earlier sequence. Each keeps the tables its drafter built
     while it ran; the oldest go first past `max_sequences` or `max_tokens` in all."""
 
@@ -132,13 +140,14 @@ class RecentSequences:
         while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
             self._tokens -= len(self._sequences.popleft()[0])
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """The newest finished sequence's continuation of the longest suffix match."""
+    def propose(self, tokens: Sequence[int], k: int) -> Match:
+        """The continuation of the longest suffix match in any of them (the newest on a tie)."""
+        best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
             found = drafter.follow(tokens, source, k)
-            if found:
-                return found
-        return []
+            if found[0] > best[0] and found[1]:
+                best = found
+        return best
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -197,9 +206,13 @@ class Speculator:
         k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
             return []
-        return state.drafter.propose(req.all_token_ids, k) or self.recent.propose(
-            req.all_token_ids, k
-        )
+        tokens = req.all_token_ids
+        if not isinstance(state.drafter, NgramDrafter):
+            return state.drafter.propose(tokens, k)
+        # The longer match is the better evidence: a repeated request's own prompt may match
+        # where its earlier answer, which it is repeating, matches longer.
+        own, other = state.drafter.propose_matched(tokens, k), self.recent.propose(tokens, k)
+        return other[1] if other[0] > own[0] else own[1]
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted

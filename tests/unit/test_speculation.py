@@ -10,7 +10,14 @@ from collections.abc import Sequence
 import pytest
 
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.speculation import DraftState, NgramDrafter, RecentSequences, SpecConfig
+from ferrum.engine.request import Request
+from ferrum.engine.speculation import (
+    DraftState,
+    NgramDrafter,
+    RecentSequences,
+    SpecConfig,
+    Speculator,
+)
 from tests.factories import (
     EOS,
     FakeRunner,
@@ -56,16 +63,17 @@ def _finished(tokens: list[int]) -> NgramDrafter:
     return d
 
 
-def test_recent_sequences_continue_a_match_from_the_newest_finished_one():
-    recent = RecentSequences(max_sequences=2, max_tokens=100)
+def test_recent_sequences_continue_the_longest_match_the_newest_on_a_tie():
+    recent = RecentSequences(max_sequences=3, max_tokens=100)
     older, newer = [1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8, 9]
     recent.add(older, _finished(older))
     recent.add(newer, _finished(newer))
-    assert recent.propose([0, 2, 3], 4) == [7]  # "2 3" in both: the newer one's sequel
-    assert recent.propose([5, 9, 2, 3], 4) == [7, 8]  # a 3-gram match: two tokens
-    assert recent.propose([0, 4, 5], 4) == [6]  # only in the older one
-    assert recent.propose([5, 6], 4) == []  # "5 6" ends its sequence: nothing follows
-    assert recent.propose([0, 0, 0], 4) == []
+    assert recent.propose([0, 2, 3], 4) == (2, [7])  # "2 3" in both: the newer one's sequel
+    assert recent.propose([5, 9, 2, 3], 4) == (3, [7, 8])  # a 3-gram match: two tokens
+    assert recent.propose([0, 4, 5], 4) == (2, [6])  # only in the older one
+    assert recent.propose([1, 2, 3], 4) == (3, [4, 5])  # longer in the older one: it wins
+    assert recent.propose([5, 6], 4) == (0, [])  # "5 6" ends its sequence: nothing follows
+    assert recent.propose([0, 0, 0], 4) == (0, [])
 
 
 def test_recent_sequences_are_bounded_oldest_out():
@@ -73,14 +81,25 @@ def test_recent_sequences_are_bounded_oldest_out():
     for base in (10, 20, 30):
         seq = [base, base + 1, base + 2, base + 3]
         recent.add(seq, _finished(seq))
-    assert len(recent) == 2 and recent.propose([10, 11], 2) == []
-    assert recent.propose([30, 31], 2) == [32]
+    assert len(recent) == 2 and recent.propose([10, 11], 2) == (0, [])
+    assert recent.propose([30, 31], 2) == (2, [32])
     long = list(range(100, 111))
     recent.add(long, _finished(long))  # longer than the whole bound: not kept
-    assert len(recent) == 2 and recent.propose([100, 101], 2) == []
+    assert len(recent) == 2 and recent.propose([100, 101], 2) == (0, [])
     seq = list(range(40, 47))
     recent.add(seq, _finished(seq))  # 7 tokens: 4 + 7 > 10, so the oldest goes
     assert len(recent) == 1
+
+
+def test_the_longer_match_guesses_whether_own_or_recent():
+    spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
+    done = Request("a", [1, 2, 3, 4, 5, 6, 7], sampling(max_tokens=50))
+    spec.draft(done, 8)
+    spec.forget(done)  # finished: its tokens join the recent ones
+    # Own tokens: "4 5" was followed by 8 (a 2-gram); the finished one: "3 4 5" by 6 7.
+    assert spec.draft(Request("b", [4, 5, 8, 3, 4, 5], sampling(max_tokens=50)), 8) == [6, 7]
+    # Own tokens match longer ("8 4 5" by 9): own wins.
+    assert spec.draft(Request("c", [8, 4, 5, 9, 8, 4, 5], sampling(max_tokens=50)), 8) == [9, 8]
 
 
 def _repeat(recent: int) -> tuple[dict, dict, int]:
