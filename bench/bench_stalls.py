@@ -33,11 +33,18 @@ import httpx
 
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from ferrum.bench.stats import Spread
-from ferrum.models.builtin import DEFAULT_CHAT_MODEL
+from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
+
+# Every tree serves the default chat model's file, named by the file (trees from before
+# issue #12 take a bare path and any model name, later ones name a bare path by its stem),
+# without speculation (trees from before issue #14 have none; FERRUM_* variables older trees
+# do not know are ignored), so the streams cost the same on every tree.
+MODEL_PATH = Path(builtin_path(DEFAULT_CHAT_MODEL))
+MODEL = MODEL_PATH.stem
 
 BURST = 8  # requests at once
 BURSTS = 3  # bursts one after the other, so the window holds enough gaps
-STREAM_TOKENS = 2000  # more than the run needs (speculation makes them fast); cancelled at the end
+STREAM_TOKENS = 2000  # more than the run needs; cancelled at the end
 
 
 def _schema(tag: int) -> dict:
@@ -51,7 +58,7 @@ def _burst_bodies(kind: str, round_: int) -> list[dict]:
     bodies = []
     for i in range(BURST):
         tag = round_ * 100 + i
-        body: dict = {"model": DEFAULT_CHAT_MODEL, "max_tokens": 1}
+        body: dict = {"model": MODEL, "max_tokens": 1}
         if kind == "schemas":
             body["messages"] = [{"role": "user", "content": f"Fill record {tag}."}]
             body["response_format"] = {
@@ -67,7 +74,7 @@ def _burst_bodies(kind: str, round_: int) -> list[dict]:
 
 async def _stream(client: httpx.AsyncClient, stamps: list[float], tag: int) -> None:
     body = {
-        "model": DEFAULT_CHAT_MODEL,
+        "model": MODEL,
         "prompt": f"Story {tag}: once upon a time",
         "max_tokens": STREAM_TOKENS,
         "ignore_eos": True,
@@ -120,8 +127,9 @@ async def _measure(url: str, round_: int) -> dict[str, float]:
 
 def _run_arm(tree: Path, round_: int, threads: int) -> dict[str, float]:
     port = free_port()
-    cmd = ferrum_command(port, "--threads", str(threads), "--parallel", "4", "--max-queue", "0")
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    cmd = ferrum_command(port, "--threads", str(threads), "--parallel", "4", "--max-queue", "0",
+                         "--model", str(MODEL_PATH))  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "FERRUM_SPEC_TYPE": "none"}
     server = ServerProcess(cmd, Path(f"/tmp/ferrum-bench-stalls-{tree.name}.log"), port, env=env)
     try:
         server.wait_ready(server.url, "/health", timeout=120)
