@@ -118,8 +118,8 @@ class EngineConfig:
         default=8,
         metadata=_flag(
             "--spec-recent",
-            help="finished requests whose tokens a request may guess from when its own offer "
-            "no match (a retry or regeneration repeats an earlier answer; 0: its own only)",
+            help="finished requests whose tokens a request may also guess from, the longer "
+            "match winning (a retry or regeneration repeats an earlier answer; 0: its own only)",
         ),
     )
     spec_batch_max: int = field(
