@@ -181,8 +181,12 @@ class KVManager:
             # A parked donor so large that req can never fit beside it (e.g. a sequence that ran
             # to the end of the context) would block req, and the queue behind it, forever:
             # give up the reuse, so the donor can be evicted like any other parked sequence.
-            # A donor that merely waits for running requests to finish is kept.
-            if exclude is None or need + len(exclude.page_table.blocks) <= self.blocks.num_blocks:
+            # A donor that merely waits for running requests to finish is kept, unless it holds
+            # the only sequence id while req, copying from it, needs one of its own.
+            if exclude is None:
+                return None
+            fits = need + len(exclude.page_table.blocks) <= self.blocks.num_blocks
+            if fits and (reuse.takeover or self.seq_ids.size > 1):
                 return None
             return self.admit(req, _FRESH, keep_free)
         try:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ferrum.engine.engine import LLMEngine
 from ferrum.errors import ContextLengthExceeded, InvalidRequest
 from tests.factories import (
     EOS,
@@ -264,3 +265,19 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_step():
     assert gathered[0] == 4 * prompt_tokens
     alone = asyncio.run(burst((0.0, 0.0), 0.05))  # no gathering: the first steps alone
     assert alone[0] == prompt_tokens
+
+
+def test_a_parked_donor_holding_the_only_sequence_id_gives_way():
+    """One sequence id, prefix reuse on: the next request with the same prompt matches the
+    parked sequence but cannot copy from it (no second id); it must be prefilled afresh, not
+    wait forever for a donor nothing will ever free."""
+    runner = FakeRunner(info=model_info(n_ctx=512, n_batch=64, n_seq_max=1))
+    engine = LLMEngine(runner, block_size=8, max_running=1, prefix_cache=True)
+    prompt = [256, *b"the same prompt, twice"]
+    outputs = []
+    for rid in ("a", "b"):
+        engine.add_request(rid, prompt, sampling(max_tokens=10))
+        outputs.append(run_to_completion(engine, max_steps=100)[rid]["tokens"])
+        assert not engine.has_work
+        engine.check_integrity()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 10
