@@ -71,6 +71,7 @@ class Drafter(Protocol):
 
 
 Match = tuple[int, list[int]]  # (length of the n-gram matched, the tokens that followed it)
+Suffixes = list[tuple[int, tuple[int, ...]]]  # (n, a sequence's last n tokens), longest first
 _NO_MATCH: Match = (0, [])
 
 
@@ -91,25 +92,35 @@ class NgramDrafter:
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         return self.propose_matched(tokens, k)[1]
 
-    def propose_matched(self, tokens: Sequence[int], k: int) -> Match:
-        """The guess and the length of the n-gram it follows (0: none)."""
+    def propose_matched(
+        self, tokens: Sequence[int], k: int, suffixes: Suffixes | None = None
+    ) -> Match:
+        """The guess and the length of the n-gram it follows (0: none). `suffixes`: those of
+        `tokens`, when the caller already has them."""
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
-        found = self.follow(tokens, tokens, k)
+        found = self.follow(self.suffixes(tokens) if suffixes is None else suffixes, tokens, k)
         self._index(tokens, end)
         return found
 
-    def follow(self, tokens: Sequence[int], source: Sequence[int], k: int) -> Match:
-        """What followed the latest earlier occurrence, in `source` (the tokens these tables
-        index), of the longest suffix n-gram of `tokens` that occurs there."""
+    def index_all(self, tokens: Sequence[int]) -> None:
+        """Every n-gram of `tokens` in the tables (a finished sequence, for others to follow)."""
+        self._index(tokens, len(tokens))
+
+    def suffixes(self, tokens: Sequence[int]) -> Suffixes:
+        """The last n tokens for each n looked up, longest first."""
         end = len(tokens)
-        for n in self._sizes:
-            if end >= n:
-                at = self._tables[n].get(tuple(tokens[end - n : end]))
-                if at is not None and at < len(source):
-                    # As long a guess as the evidence: a match of the shortest n-gram
-                    # guesses one token, each longer match one more.
-                    return n, list(source[at : at + min(k, n - self._min + 1)])
+        return [(n, tuple(tokens[end - n : end])) for n in self._sizes if end >= n]
+
+    def follow(self, suffixes: Suffixes, source: Sequence[int], k: int) -> Match:
+        """What followed the latest earlier occurrence, in `source` (the tokens these tables
+        index), of the longest of `suffixes` that occurs there."""
+        for n, key in suffixes:
+            at = self._tables[n].get(key)
+            if at is not None and at < len(source):
+                # As long a guess as the evidence: a match of the shortest n-gram guesses one
+                # token, each longer match one more.
+                return n, list(source[at : at + min(k, n - self._min + 1)])
         return _NO_MATCH
 
     def _index(self, tokens: Sequence[int], last: int) -> None:
@@ -140,11 +151,16 @@ class RecentSequences:
         while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
             self._tokens -= len(self._sequences.popleft()[0])
 
-    def propose(self, tokens: Sequence[int], k: int) -> Match:
-        """The continuation of the longest suffix match in any of them (the newest on a tie)."""
+    def propose(self, tokens: Sequence[int], k: int, suffixes: Suffixes | None = None) -> Match:
+        """The continuation of the longest suffix match in any of them (the newest on a tie).
+        `suffixes`: those of `tokens`, when the caller already has them."""
+        if not self._sequences:
+            return _NO_MATCH
+        if suffixes is None:  # every drafter here looks up the same sizes
+            suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(tokens, source, k)
+            found = drafter.follow(suffixes, source, k)
             if found[0] > best[0] and found[1]:
                 best = found
         return best
@@ -207,11 +223,14 @@ class Speculator:
         if k <= 0:
             return []
         tokens = req.all_token_ids
-        if not isinstance(state.drafter, NgramDrafter):
-            return state.drafter.propose(tokens, k)
+        drafter = state.drafter
+        if not isinstance(drafter, NgramDrafter):
+            return drafter.propose(tokens, k)
         # The longer match is the better evidence: a repeated request's own prompt may match
         # where its earlier answer, which it is repeating, matches longer.
-        own, other = state.drafter.propose_matched(tokens, k), self.recent.propose(tokens, k)
+        suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
+        own = drafter.propose_matched(tokens, k, suffixes)
+        other = self.recent.propose(tokens, k, suffixes)
         return other[1] if other[0] > own[0] else own[1]
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
@@ -224,5 +243,5 @@ class Speculator:
     def forget(self, req: Request) -> None:
         state = self._states.pop(req.request_id, None)
         if state is not None and isinstance(state.drafter, NgramDrafter):
-            state.drafter.propose(req.all_token_ids, 0)  # index its last tokens too
+            state.drafter.index_all(req.all_token_ids)
             self.recent.add(req.all_token_ids, state.drafter)

@@ -59,7 +59,7 @@ def test_draft_lengths_adapt_and_pause_after_failures():
 
 def _finished(tokens: list[int]) -> NgramDrafter:
     d = NgramDrafter(2, 4)
-    d.propose(tokens, 0)  # indexes every n-gram, as a finished request's drafter has
+    d.index_all(tokens)  # every n-gram, as a finished request's drafter has
     return d
 
 
