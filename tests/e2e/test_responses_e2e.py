@@ -63,7 +63,7 @@ def test_structured_output_follows_the_schema(client):
         "additionalProperties": False,
     }
     r = client.responses.create(
-        model=MODEL, input="Describe a person.", max_output_tokens=80,
+        model=MODEL, input="Describe a person.", max_output_tokens=80, temperature=0,
         text={"format": {"type": "json_schema", "name": "person", "schema": schema}},
     )  # fmt: skip
     jsonschema.validate(json.loads(r.output_text), schema)
@@ -73,6 +73,7 @@ def test_a_forced_tool_call_is_a_function_call_item(client):
     r = client.responses.create(
         model=MODEL, input="What's the weather in Paris?", tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+        temperature=0,
     )  # fmt: skip
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather"
