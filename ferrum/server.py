@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from ferrum.api.app import ServerState, create_app
 from ferrum.api.chat_template import ChatFormatter, resolve_template
 from ferrum.api.loaded import EmbeddingModel, Loaded, ServedModel
+from ferrum.api.preparation import Preparer
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.embedding import EmbeddingEngine
@@ -42,6 +43,7 @@ class _Loader:
         self.engine_cfg, self.server_cfg, self.metrics = engine_cfg, server_cfg, metrics
         # One set of turns for every engine this server runs (None: they decode side by side).
         self.turns = Turns() if engine_cfg.engine_turns == "shared" else None
+        self.preparer = Preparer(self.turns)  # every chat model's requests
 
     def _party(self, name: str) -> Party | None:
         return None if self.turns is None else self.turns.join(name)
@@ -136,6 +138,7 @@ class _Loader:
             sampling=sampling,
             system=spec.preset.system,
             close_runner=runner.close,
+            preparer=self.preparer,
         )
         if cfg.pooling:  # a second context on the same (memory-mapped) weights
             try:

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.grammar import GrammarBuilder
+from ferrum.api.preparation import Preparer
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.batch import ModelInfo, Vocabulary
 from ferrum.metrics import Metrics
@@ -35,6 +36,8 @@ class ServedModel:
     system: str = ""  # the preset's system prompt, for chats that bring none
     close_runner: Callable[[], None] = lambda: None  # after the engine has stopped
     embedder: Embedder | None = None  # a chat model that embeds too (--pooling)
+    # Where its requests are prepared: the server's one preparer, in turns with its engines.
+    preparer: Preparer = dataclasses.field(default_factory=lambda: Preparer(None))
     grammars: GrammarBuilder = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,5 +95,3 @@ class EmbeddingModel:
 
 
 Loaded = ServedModel | EmbeddingModel
-
-

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -126,9 +127,9 @@ def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:
 async def prepare(
     prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B
 ) -> Prepared:
-    """Runs request preparation in a worker thread: a long prompt or a large schema must not
-    stall the event loop, which every open stream is waiting on."""
-    return await asyncio.to_thread(prepare_fn, model, body)
+    """Runs request preparation off the event loop, which every open stream is waiting on,
+    and in turns with the decodes (`ferrum.api.preparation`)."""
+    return await model.preparer.run(functools.partial(prepare_fn, model, body))
 
 
 def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:

@@ -34,11 +34,13 @@ _SMOOTHING = 0.2
 
 
 class Party:
-    """One engine's seat at the turns; used from that engine's thread only."""
+    """One thread's seat at the turns (an engine's, or request preparation's,
+    `ferrum.api.preparation`); used from that thread only."""
 
-    def __init__(self, turns: Turns, name: str):
+    def __init__(self, turns: Turns, name: str, paces: bool = True):
         self._turns = turns
         self.name = name
+        self.paces = paces  # whether its turns bound the length of the others' (budget_s)
         self.mean_turn_s = 0.0  # smoothed length of this party's turns (0: none yet)
         self.last_end = float("-inf")  # monotonic time its last turn ended
         self.waiting = False
@@ -85,7 +87,10 @@ class Party:
             others = [
                 p.mean_turn_s
                 for p in self._turns.parties
-                if p is not self and p.turns_taken and (p.waiting or now - p.last_end < _ACTIVE_S)
+                if p is not self
+                and p.paces
+                and p.turns_taken
+                and (p.waiting or now - p.last_end < _ACTIVE_S)
             ]
         return share * min(others) if others else None
 
@@ -106,8 +111,10 @@ class Turns:
         self.parties: list[Party] = []
         self.abandoned: set[int] = set()  # tickets whose holders gave up waiting
 
-    def join(self, name: str) -> Party:
-        party = Party(self, name)
+    def join(self, name: str, paces: bool = True) -> Party:
+        """A seat for `name`; paces=False: its turns do not shorten the others' budgets (a
+        request's preparation is short, and cannot be cut; an engine's work can)."""
+        party = Party(self, name, paces)
         with self.cond:
             self.parties.append(party)
         return party

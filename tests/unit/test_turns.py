@@ -157,3 +157,15 @@ def test_the_decode_cost_fit_recovers_fixed_and_per_token_costs():
     one_size = DecodeCost()
     one_size.add(10, 0.01)
     assert one_size.fit() == (0.0, pytest.approx(0.001))
+
+
+def test_a_party_that_does_not_pace_leaves_the_others_budgets_alone():
+    turns = Turns()
+    embed, prep = turns.join("embed"), turns.join("preparation", paces=False)
+    with prep.turn():
+        pass
+    assert embed.budget_s(0.5) is None  # only a non-pacing party was busy
+    chat = turns.join("chat")
+    with chat.turn():
+        time.sleep(0.01)
+    assert embed.budget_s(0.5) == pytest.approx(0.5 * chat.mean_turn_s)
