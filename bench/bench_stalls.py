@@ -5,6 +5,9 @@ run, eight requests arrive at once, twice:
   schemas   chat requests whose response_format is a 60-property JSON schema, each schema
             distinct (no grammar kept from before: the first preparation, the costly one)
   prompts   chat requests of ~3,000 tokens each
+  refused   the schema requests with max_tokens -5: refused (400) while their bodies are
+            checked, before any preparation: what 8 requests cost the streams anyway (HTTP,
+            body parsing, the answers), the floor the other two are read against
 (three such bursts one after the other, to give the window enough gaps).
 With `--max-queue 0` every one of them is refused with a 429 after it was prepared (the four
 streams fill the server), so what they cost the streams is their preparation alone: template
@@ -25,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ MODEL = MODEL_PATH.stem
 
 BURST = 8  # requests at once
 BURSTS = 3  # bursts one after the other, so the window holds enough gaps
+KINDS = ("schemas", "prompts", "refused")
 STREAM_TOKENS = 2000  # more than the run needs; cancelled at the end
 
 
@@ -59,7 +62,9 @@ def _burst_bodies(kind: str, round_: int) -> list[dict]:
     for i in range(BURST):
         tag = round_ * 100 + i
         body: dict = {"model": MODEL, "max_tokens": 1}
-        if kind == "schemas":
+        if kind == "refused":
+            body["max_tokens"] = -5
+        if kind in ("schemas", "refused"):
             body["messages"] = [{"role": "user", "content": f"Fill record {tag}."}]
             body["response_format"] = {
                 "type": "json_schema",
@@ -102,7 +107,7 @@ async def _measure(url: str, round_: int) -> dict[str, float]:
             asyncio.create_task(_stream(client, s, round_ * 10 + i)) for i, s in enumerate(streams)
         ]
         await asyncio.sleep(3.0)  # all four decoding
-        for kind in ("schemas", "prompts"):
+        for kind in KINDS:
             t0 = time.perf_counter()
             await asyncio.sleep(1.5)
             t1 = time.perf_counter()
@@ -112,8 +117,9 @@ async def _measure(url: str, round_: int) -> dict[str, float]:
                     *(client.post("/v1/chat/completions", json=body) for body in bodies)
                 )
                 codes = sorted({a.status_code for a in answers})
-                if codes != [429]:
-                    raise RuntimeError(f"{kind}: expected 429s after preparation, got {codes}")
+                expected = [400] if kind == "refused" else [429]
+                if codes != expected:
+                    raise RuntimeError(f"{kind}: expected {expected}, got {codes}")
             t2 = time.perf_counter()
             await asyncio.sleep(0.3)  # a gap the bursts stretched ends after them
             out[f"{kind}.baseline_p99_ms"] = _p99_gap(streams, t0, t1)
@@ -163,11 +169,12 @@ def main() -> None:
         shown = [f"{c.median:.1f} [{c.lo:.1f}, {c.hi:.1f}]" if c else "n/a" for c in cells]
         print(f"| {k} | " + " | ".join(shown) + " |")
     for name in trees:
-        for kind in ("schemas", "prompts"):
-            ratio = statistics.median(
-                m[f"{kind}.burst_p99_ms"] / m[f"{kind}.baseline_p99_ms"] for m in rows[name]
-            )
-            print(f"{name} {kind}: burst p99 / baseline p99, median {ratio:.2f}")
+        for kind in KINDS:
+            ratios = [m[f"{kind}.burst_p99_ms"] / m[f"{kind}.baseline_p99_ms"] for m in rows[name]]
+            spread = Spread.of(ratios)
+            if spread:
+                print(f"{name} {kind}: burst p99 / baseline p99 {spread.median:.2f} "
+                      f"[{spread.lo:.2f}, {spread.hi:.2f}]")  # fmt: skip
 
 
 if __name__ == "__main__":
