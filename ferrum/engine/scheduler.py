@@ -117,6 +117,8 @@ class Scheduler:
         budget = self._schedule_decodes(out, budget)
         budget = self._schedule_running_prefills(out, budget)
         self._admit(out, budget)
+        if out.chunks:
+            self.kv.bound_parked(self.running)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:

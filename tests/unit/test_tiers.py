@@ -330,3 +330,46 @@ def test_a_state_larger_than_this_pool_is_never_restored(tmp_path: Path) -> None
     _, engine = _engine(tmp_path, runner=small)
     head = long_prompt[:200]
     assert _ask(engine, "b", head) == (_fresh(head), 0)
+
+
+def _parked_blocks(engine: LLMEngine, running_blocks: int = 0) -> int:
+    blocks = engine.kv_manager.blocks
+    return blocks.num_blocks - blocks.num_free - running_blocks
+
+
+def test_parked_cells_never_outnumber_the_running_ones_in_a_decode() -> None:
+    """Each parked cell costs every decoded token (llama.cpp attends over all used cells), so
+    before a decode the parked sequences are cut to the running requests' blocks, the least
+    recently used saved to RAM; the next request still reuses the newest one in place."""
+    runner = FakeRunner(info=model_info(n_ctx=2048, n_batch=64, n_seq_max=16))
+    _, engine = _engine(None, ram=10_000_000, runner=runner)
+    prompts = _prompts(5)
+    for i, p in enumerate(prompts[:4]):  # a quiet pool: each finishes and parks
+        _ask(engine, f"a{i}", p)
+    kv = engine.kv_manager
+    assert len(kv.parked) >= 1 and kv.evictions >= 2  # cut at each newcomer's decodes
+    # Alone, the newest parked chat is reused in place: no restore, all but one token.
+    saved_before = kv.saved.snapshot().restores
+    _, cached = _ask(engine, "again", prompts[3])
+    assert cached == len(prompts[3]) - 1 and kv.saved.snapshot().restores == saved_before
+    # While a request decodes, parked blocks never exceed its own.
+    engine.add_request("long", prompts[4], sampling(max_tokens=40))
+    while engine.has_work:
+        engine.step()
+        running = engine.scheduler.running
+        if running:
+            held = {b for r in running for b in r.page_table.blocks}
+            assert _parked_blocks(engine, len(held)) <= len(held)
+    engine.check_integrity()
+    # What was cut is restored from RAM with the same output as a fresh prefill.
+    tokens, cached = _ask(engine, "back", prompts[0])
+    assert tokens == _fresh(prompts[0]) and cached == len(prompts[0]) - 1
+
+
+def test_without_tiers_parked_sequences_stay_until_room_is_needed() -> None:
+    runner = FakeRunner(info=model_info(n_ctx=2048, n_batch=64, n_seq_max=16))
+    engine = LLMEngine(runner, block_size=16, max_running=2)
+    for i, p in enumerate(_prompts(4)):
+        engine.add_request(f"a{i}", p, sampling(max_tokens=8))
+        run_to_completion(engine)
+    assert len(engine.kv_manager.parked) == 4 and engine.kv_manager.evictions == 0
