@@ -27,7 +27,9 @@ None) instead of computing the prefix twice. Reuse always leaves at least the la
 token to compute, since logits exist only for tokens in a batch.
 
 Parked sequences (finished requests whose KV is kept) are bounded by blocks and sequence ids,
-not by a count: when either runs short they are evicted, least recently used first. Evicting
+not by a count: when either runs short they are evicted, least recently used first. With
+tiers, they are also cut to the running requests' blocks before each decode
+(`bound_parked`): every used cell costs every decoded token, parked or not. Evicting
 one frees only its private blocks; blocks a running request shares stay (ref counts), so a
 running request never loses a prefix it depends on.
 
