@@ -102,6 +102,11 @@ def test_the_api_survives_fuzzing_of_its_own_schema(app, capsys):
 
     state = app.state.ferrum
     with asgi.get_client(app) as client:
+        # A fuzzed keep_alive (0, or a few microseconds) may have unloaded the model, as
+        # Ollama's idiom says it should: the next request loads it again, and keeps it.
+        body = {"model": "fake", "prompt": "hi", "max_tokens": 2, "keep_alive": -1}
+        r = client.post("/v1/completions", json=body, timeout=RESPONSE_TIMEOUT_S)
+        assert r.status_code == 200, r.text[:300]
         health = _wait_idle(client, state)
     assert health["status"] == "ok" and _engine(state).alive
     assert health["active_requests"] == 0 and health["queue_depth"] == 0
