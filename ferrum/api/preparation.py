@@ -50,15 +50,13 @@ class Preparer:
             self._party = turns.join("preparation", paces=False)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pending = 0  # jobs put and not yet taken, under _lock
+        self._thread: threading.Thread | None = None  # None: none running; under _lock
 
     async def run(self, fn: Callable[[], T]) -> T:
         """fn() on the preparation thread; its result or its exception. A caller that is
         cancelled before its turn came costs nothing: its preparation is skipped."""
         job = _Job(fn)
         with self._lock:
-            self._pending += 1
             self._jobs.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="ferrum-prepare",
@@ -71,18 +69,14 @@ class Preparer:
         (wait=True), and the thread, about to end, no longer counts as running."""
         while True:
             try:
-                job = self._jobs.get(timeout=_IDLE_S) if wait else self._jobs.get_nowait()
+                return self._jobs.get(timeout=_IDLE_S) if wait else self._jobs.get_nowait()
             except queue.Empty:
                 if not wait:
                     return None
-                with self._lock:
-                    if self._pending == 0:
-                        self._thread = None
-                        return None
-                continue  # one was put just now
-            with self._lock:
-                self._pending -= 1
-            return job
+            with self._lock:  # puts happen under it: an empty queue here stays empty
+                if self._jobs.empty():
+                    self._thread = None
+                    return None
 
     def _serve(self) -> None:
         while (job := self._next(wait=True)) is not None:

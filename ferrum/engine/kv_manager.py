@@ -355,8 +355,10 @@ class KVManager:
         bounded so, it stays at 9.4-10.1 ms. A parked sequence is still reused at once by the
         request that arrives next (admission runs before this), and later from the RAM tier.
         Without tiers an evicted sequence would be lost, so nothing is bounded there."""
-        if self.saved is None or not self.parked:
-            return 0
+        used = self.blocks.num_blocks - self.blocks.num_free
+        # Only parked ones hold at most parked.num_blocks (cached); running ones the rest.
+        if self.saved is None or 2 * self.parked.num_blocks <= used:
+            return 0  # no set of the running blocks to build, step after step
         held = {b for req in running for b in req.page_table.blocks}
         evicted = 0
         while self.blocks.num_blocks - self.blocks.num_free - len(held) > len(held):
