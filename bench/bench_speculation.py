@@ -6,6 +6,8 @@ Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
 from a request's own tokens only, not from earlier requests') and `--spec-type none`;
 `llama-server` built the way its users build it (bench/build_llama_server.sh: cmake defaults)
 with `--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
+ferrum runs without its disk tier (`--cache-disk 0`): like llama-server's, its prefix cache
+then starts empty with each server instead of holding the prompts of earlier rounds.
 
 Workloads, through /v1/completions with the chat template already applied (so every server
 sees the same tokens), greedy without repetition penalty (both servers write the same
@@ -82,7 +84,7 @@ def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
     if kind == "ferrum":
         cmd = ferrum_command(port, "--threads", str(threads), "--models-dir", str(folder / "m"),
                              "--model", f"bench={model}", "--parallel", "8", "--ctx-size",
-                             "8192", *extra)  # fmt: skip
+                             "8192", "--cache-disk", "0", *extra)  # fmt: skip
         cmd[0] = python
     else:
         cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "-np", "8",

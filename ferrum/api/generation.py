@@ -151,7 +151,7 @@ async def serve(
         body = with_defaults(model, body)
         prepared = await prepare(prepare_fn, model, body)
         answer.begin(prepared)
-        sub = submit(state, model, body, prepared)
+        sub = submit(state, model, body, prepared, whole=not answer.stream)
     except BaseException:
         lease.release()
         raise

@@ -191,7 +191,10 @@ def submit(
     model: ServedModel,
     body: ChatCompletionRequest | CompletionRequest,
     prepared: Prepared,
+    whole: bool,
 ) -> Submission:
+    """The request's n choices on the engine; `whole`: the answer is not streamed, so each
+    choice's stream holds one output, the finished one."""
     engine = model.engine
     prompt, kind = prepared.prompt, prepared.kind
     engine.check_capacity(body.n)
@@ -204,7 +207,7 @@ def submit(
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     streams = [
-        engine.submit(rid, prompt, _choice_params(params, i), split_think)
+        engine.submit(rid, prompt, _choice_params(params, i), split_think, whole)
         for i, rid in enumerate(ids)
     ]
     return Submission(request_id, streams, ids, engine)
@@ -243,7 +246,7 @@ async def complete(
         model = lease.model
         body = with_defaults(model, body)
         prepared = await prepare(prepare_fn, model, body)
-        sub = submit(state, model, body, prepared)
+        sub = submit(state, model, body, prepared, whole=not body.stream)
     except BaseException:
         lease.release()
         raise

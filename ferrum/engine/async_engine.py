@@ -4,13 +4,16 @@ The engine thread is the single owner of the engine (and so of llama.cpp and the
 asyncio code only sends commands (add, abort, a read of the engine's state) through a
 thread-safe queue and reads one `RequestStream` per request. Outputs cross back once per
 engine step, in one `call_soon_threadsafe`, so the event loop is woken once per step rather
-than once per token.
+than once per token. A request answered whole (not streamed) crosses once, finished: its
+deltas are merged on the engine thread, so its waiting handler costs the event loop nothing
+while it decodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +52,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     split_think: bool
+    whole: bool  # the caller reads only the finished output
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,20 @@ class RequestStream:
             yield out
 
 
+def _merge_all(outs: list[RequestOutput]) -> RequestOutput:
+    """One output with the deltas of `outs` in order and the rest of the last one."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    return dataclasses.replace(
+        last,
+        content="".join(o.content for o in outs),
+        reasoning="".join(o.reasoning for o in outs),
+        token_ids=[t for o in outs for t in o.token_ids],
+        logprobs=None if last.logprobs is None else [e for o in outs for e in o.logprobs or ()],
+    )
+
+
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     b.content = a.content + b.content
     b.reasoning = a.reasoning + b.reasoning
@@ -112,6 +130,9 @@ class AsyncEngine:
         self.capacity = core.scheduler.max_running + max_queue
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        # Engine thread only: requests answered whole, and their deltas so far.
+        self._whole: set[str] = set()
+        self._held: dict[str, list[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -153,12 +174,15 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         split_think: bool,
+        whole: bool = False,
     ) -> RequestStream:
+        """The request's stream of outputs; `whole`: one output only, the finished one, with
+        everything in it (for an answer that is not streamed)."""
         if not self.alive or self._stopping:
             raise ServiceUnavailable("the engine is not running")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think, whole))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -253,6 +277,8 @@ class AsyncEngine:
                 cmd.done.set_exception(ServiceUnavailable("the engine is not running"))
 
     def _add(self, cmd: _Add) -> list[RequestOutput]:
+        if cmd.whole:
+            self._whole.add(cmd.request_id)
         try:
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think)
         except Exception as exc:  # the request fails, the engine goes on
@@ -266,9 +292,28 @@ class AsyncEngine:
         return []
 
     def _post(self, outputs: list[RequestOutput]) -> None:
+        if self._whole:
+            outputs = self._hold(outputs)
+            if not outputs:
+                return
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _hold(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs to send now: those of requests answered whole are merged and kept
+        until their last one (a finish, an abort or an error: each ends the request)."""
+        send = []
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self._whole:
+                send.append(out)
+            elif not out.finished:
+                self._held.setdefault(rid, []).append(out)
+            else:
+                self._whole.discard(rid)
+                send.append(_merge_all([*self._held.pop(rid, []), out]))
+        return send
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

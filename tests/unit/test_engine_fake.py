@@ -281,3 +281,42 @@ def test_a_parked_donor_holding_the_only_sequence_id_gives_way():
         assert not engine.has_work
         engine.check_integrity()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 10
+
+
+def test_a_request_answered_whole_crosses_to_the_event_loop_once():
+    """A non-streamed answer reads only the finished output: the engine thread merges the
+    deltas itself and posts one output, the same text and tokens as the streamed request's
+    many; an abort still ends it with what it had."""
+    import asyncio
+
+    from ferrum.engine.async_engine import AsyncEngine
+
+    async def run() -> None:
+        front = AsyncEngine(fake_engine(FakeRunner(step_delay_s=0.002)))
+        front.start()
+        try:
+            prompt = byte_tokenize("the same prompt")
+            streamed = front.submit("s", prompt, sampling(max_tokens=12), True)
+            whole = front.submit("w", prompt, sampling(max_tokens=12), True, whole=True)
+            while front._streams:  # both finished and posted
+                await asyncio.sleep(0.01)
+            outs = {rid: [s._queue.get_nowait() for _ in range(s._queue.qsize())]
+                    for rid, s in (("s", streamed), ("w", whole))}  # fmt: skip
+            assert len(outs["s"]) > 1 and len(outs["w"]) == 1
+            (answer,) = outs["w"]
+            assert answer.finished and answer.finish_reason == "length"
+            assert answer.token_ids == [t for o in outs["s"] for t in o.token_ids]
+            assert answer.content == "".join(o.content for o in outs["s"])
+            assert len(answer.token_ids) == answer.completion_tokens == 12
+
+            cut = front.submit("c", prompt, sampling(max_tokens=10_000), True, whole=True)
+            await asyncio.sleep(0.05)  # some tokens, held on the engine thread
+            front.abort("c")
+            await asyncio.sleep(0.05)
+            assert cut._queue.empty()  # its client left: nothing is sent
+            await asyncio.sleep(0.05)
+            assert not front._held and not front._whole
+        finally:
+            await front.stop()
+
+    asyncio.run(run())

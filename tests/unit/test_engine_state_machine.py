@@ -2,11 +2,11 @@
 
 Hypothesis drives `LLMEngine` through `AsyncEngine`, the way the server does, with the engine
 thread replaced by explicit pumps so every interleaving is reproducible. Rules: submit (prompts
-that repeat, share prefixes with or extend earlier ones; n choices as forks), abort a waiting
-request, hang up on a stream that already got tokens, fail the next decode of a running
-sequence, lose a parked sequence's sliding window, pump. After every rule the KV ledger is
-whole and no request has output after its finish; at the end every request has ended and only
-parked sequences hold KV.
+that repeat, share prefixes with or extend earlier ones; n choices as forks; streamed or
+answered whole), abort a waiting request, hang up on a request that already has tokens, fail
+the next decode of a running sequence, lose a parked sequence's sliding window, pump. After
+every rule the KV ledger is whole and no request has output after its finish (nor, answered
+whole, before it); at the end every request has ended and only parked sequences hold KV.
 
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
@@ -51,7 +51,7 @@ class _PumpedAsyncEngine(AsyncEngine):
         outputs = self._drain_commands(block=False)
         if self.core.has_work:
             outputs.extend(self.core.step())
-        self._dispatch(outputs)
+        self._dispatch(self._hold(outputs))
         return outputs
 
     @property
@@ -67,6 +67,7 @@ class _Client:
     prompt: list[int]
     max_tokens: int
     stream: RequestStream
+    whole: bool = False  # answered whole: one output, the finished one
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hung_up: bool = False
@@ -78,6 +79,7 @@ class _Client:
             out = q.get_nowait()
             assert not self.hung_up, f"{self.request_id}: output after the client hung up"
             assert self.finish_reason is None, f"{self.request_id}: output after its finish"
+            assert out.finished or not self.whole, f"{self.request_id}: a delta, answered whole"
             self.tokens += out.token_ids
             if out.finished:
                 self.finish_reason = out.finish_reason
@@ -163,12 +165,14 @@ class EngineMachine(RuleBasedStateMachine):
         return [c.request_id for c in self._open() if c.request_id in waiting]
 
     def _streaming_ids(self) -> list[str]:
-        return [c.request_id for c in self._open() if c.tokens]
+        """Requests whose client has seen tokens, or (answered whole) whose engine has made
+        some: a hang-up there drops what the engine holds for it."""
+        return [c.request_id for c in self._open() if c.tokens or self.outputs.get(c.request_id)]
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 48))
-    def submit(self, data: st.DataObject, n: int, max_tokens: int) -> None:
+    @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 48), whole=st.booleans())
+    def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool) -> None:
         prompt = self._draw_prompt(data)
         try:
             self.front.check_capacity(n)
@@ -179,8 +183,9 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            stream = self.front.submit(rid, prompt, sampling(max_tokens=max_tokens), True)
-            self.clients[rid] = _Client(rid, prompt, max_tokens, stream)
+            params = sampling(max_tokens=max_tokens)
+            stream = self.front.submit(rid, prompt, params, True, whole)
+            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole)
         self.histories.append(prompt)
 
     @precondition(lambda self: self._waiting_ids())
@@ -264,6 +269,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.outputs[rid][-1].finished, f"{rid} never ended"
             assert client.hung_up or client.finish_reason is not None, f"{rid}: no finish seen"
         assert not self.front._streams, "streams left behind"
+        assert not self.front._whole and not self.front._held, "held outputs left behind"
         kv = self.engine.kv_manager
         used = kv.blocks.num_blocks - kv.blocks.num_free
         assert used == kv.parked.num_blocks, "blocks held outside parked sequences"
