@@ -207,6 +207,16 @@ def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    _add_openai_routes(app, state)
+    _add_server_routes(app, state)
+    add_responses_routes(functools.partial(_route, app), state)
+    add_ollama_routes(app, state)
+    add_anthropic_routes(app, state)
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    """OpenAI's generation, embedding and model-listing routes (and /v1/rerank beside them)."""
+
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         lease = await acquire_chat(state, body.model, body.keep_alive)
@@ -235,6 +245,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if spec is None:
             raise ModelNotFound(model_id, [s.name for s in state.models.specs()])
         return _model_card(state, spec)
+
+
+def _add_server_routes(app: FastAPI, state: ServerState) -> None:
+    """The server's own routes: health, metrics and the tokenizer."""
 
     @_route(app, "GET", "/health")
     async def health() -> JSONResponse:
@@ -273,10 +287,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         finally:
             lease.release()
         return {"content": data.decode("utf-8", "replace")}
-
-    add_responses_routes(functools.partial(_route, app), state)
-    add_ollama_routes(app, state)
-    add_anthropic_routes(app, state)
 
 
 def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
