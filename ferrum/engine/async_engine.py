@@ -82,15 +82,16 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            out = await self._queue.get()
+            outs = [await self._queue.get()]
             # Coalesce deltas that piled up while the consumer was busy.
-            while not out.finished and not self._queue.empty():
-                out = _merge(out, self._queue.get_nowait())
+            while not outs[-1].finished and not self._queue.empty():
+                outs.append(self._queue.get_nowait())
+            out = _merge(outs)
             self.finished = out.finished
             yield out
 
 
-def _merge_all(outs: list[RequestOutput]) -> RequestOutput:
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
     """One output with the deltas of `outs` in order and the rest of the last one."""
     last = outs[-1]
     if len(outs) == 1:
@@ -102,15 +103,6 @@ def _merge_all(outs: list[RequestOutput]) -> RequestOutput:
         token_ids=[t for o in outs for t in o.token_ids],
         logprobs=None if last.logprobs is None else [e for o in outs for e in o.logprobs or ()],
     )
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    b.content = a.content + b.content
-    b.reasoning = a.reasoning + b.reasoning
-    b.token_ids = a.token_ids + b.token_ids
-    if a.logprobs is not None and b.logprobs is not None:
-        b.logprobs = a.logprobs + b.logprobs
-    return b
 
 
 class AsyncEngine:
@@ -130,8 +122,7 @@ class AsyncEngine:
         self.capacity = core.scheduler.max_running + max_queue
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        # Engine thread only: requests answered whole, and their deltas so far.
-        self._whole: set[str] = set()
+        # Engine thread only: the requests answered whole, each with its deltas so far.
         self._held: dict[str, list[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -278,7 +269,7 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> list[RequestOutput]:
         if cmd.whole:
-            self._whole.add(cmd.request_id)
+            self._held[cmd.request_id] = []
         try:
             self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think)
         except Exception as exc:  # the request fails, the engine goes on
@@ -292,7 +283,7 @@ class AsyncEngine:
         return []
 
     def _post(self, outputs: list[RequestOutput]) -> None:
-        if self._whole:
+        if self._held:
             outputs = self._hold(outputs)
             if not outputs:
                 return
@@ -305,14 +296,13 @@ class AsyncEngine:
         until their last one (a finish, an abort or an error: each ends the request)."""
         send = []
         for out in outputs:
-            rid = out.request_id
-            if rid not in self._whole:
+            held = self._held.get(out.request_id)
+            if held is None:
                 send.append(out)
             elif not out.finished:
-                self._held.setdefault(rid, []).append(out)
+                held.append(out)
             else:
-                self._whole.discard(rid)
-                send.append(_merge_all([*self._held.pop(rid, []), out]))
+                send.append(_merge([*self._held.pop(out.request_id), out]))
         return send
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -315,7 +315,7 @@ def test_a_request_answered_whole_crosses_to_the_event_loop_once():
             await asyncio.sleep(0.05)
             assert cut._queue.empty()  # its client left: nothing is sent
             await asyncio.sleep(0.05)
-            assert not front._held and not front._whole
+            assert not front._held
         finally:
             await front.stop()
 

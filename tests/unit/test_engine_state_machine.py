@@ -269,7 +269,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.outputs[rid][-1].finished, f"{rid} never ended"
             assert client.hung_up or client.finish_reason is not None, f"{rid}: no finish seen"
         assert not self.front._streams, "streams left behind"
-        assert not self.front._whole and not self.front._held, "held outputs left behind"
+        assert not self.front._held, "held outputs left behind"
         kv = self.engine.kv_manager
         used = kv.blocks.num_blocks - kv.blocks.num_free
         assert used == kv.parked.num_blocks, "blocks held outside parked sequences"
