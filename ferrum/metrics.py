@@ -1,22 +1,17 @@
-"""Prometheus metrics, fed by the engine's per-step statistics and the model registry.
+"""Prometheus metrics of one model, fed by its engine's per-step statistics.
 
-One `Metrics` per model name (kept across its loads and unloads, so counters never go back),
-rendered by `ServerMetrics` with a `model` label on every sample, next to the registry's own
-series (loaded models, loads, unloads by reason, load seconds). No module-level globals, so
+One `Metrics` per model name (kept across its loads and unloads, so counters never go back);
+`ferrum.server_metrics` renders them all with a `model` label. No module-level globals, so
 tests can run several servers in one process. `Metrics.on_step` runs on an engine thread;
 prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from ferrum.engine.outputs import EngineObserver, StepStats
 from ferrum.engine.tiers import TierStats
@@ -24,7 +19,6 @@ from ferrum.engine.tiers import TierStats
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
-_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -322,98 +316,3 @@ class Metrics(EngineObserver):
     def idle(self) -> None:
         """The gauges of a model that was unloaded: nothing running, nothing held."""
         self.on_step(StepStats())
-
-
-class _Labelled(Collector):
-    """Every model's series, each sample labelled with its model's name."""
-
-    def __init__(self, models: dict[str, Metrics]):
-        self._models = models
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for name, metrics in list(self._models.items()):
-            for family in metrics.registry.collect():
-                out = families.get(family.name)
-                if out is None:
-                    out = Metric(family.name, family.documentation, family.type, family.unit)
-                    families[family.name] = out
-                for sample in family.samples:
-                    out.samples.append(sample._replace(labels={**sample.labels, "model": name}))
-        yield from families.values()
-
-
-class _Parsed(Collector):
-    """Families parsed from several servers' /metrics, each sample labelled with its server."""
-
-    def __init__(self, texts: dict[str, str], label: str):
-        self._texts, self._label = texts, label
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for source, text in self._texts.items():
-            for family in text_string_to_metric_families(text):
-                out = families.get(family.name)
-                if out is None:
-                    out = Metric(family.name, family.documentation, family.type, family.unit)
-                    families[family.name] = out
-                for sample in family.samples:
-                    labels = {**sample.labels, self._label: source}
-                    out.samples.append(sample._replace(labels=labels))
-        yield from families.values()
-
-
-def merge_replica_metrics(texts: dict[str, str]) -> bytes:
-    """Several replicas' /metrics as one exposition, every sample labelled `replica`."""
-    registry = CollectorRegistry()
-    registry.register(_Parsed(texts, "replica"))
-    return generate_latest(registry)
-
-
-class ServerMetrics:
-    """The server's metrics: one `Metrics` per model and the registry's own series. It is
-    the registry's observer (`ferrum.models.registry.RegistryObserver`)."""
-
-    def __init__(self) -> None:
-        self._models: dict[str, Metrics] = {}
-        self.registry = CollectorRegistry()
-        self.registry.register(_Labelled(self._models))
-        r = self.registry
-        self.loaded = Gauge("ferrum_models_loaded", "Models loaded now", registry=r)
-        self.loads = Counter("ferrum_model_loads", "Model loads", ["model"], registry=r)
-        self.unloads = Counter(
-            "ferrum_model_unloads",
-            "Model unloads, by reason (expired, evicted, requested, deleted, shutdown)",
-            ["model", "reason"],
-            registry=r,
-        )
-        self.load_seconds = Histogram(
-            "ferrum_model_load_seconds",
-            "Seconds a model took to load",
-            ["model"],
-            buckets=_LOAD_BUCKETS,
-            registry=r,
-        )
-
-    def for_model(self, name: str) -> Metrics:
-        if name not in self._models:
-            self._models[name] = Metrics()
-        return self._models[name]
-
-    def on_load(self, name: str, seconds: float) -> None:
-        self.loads.labels(model=name).inc()
-        self.load_seconds.labels(model=name).observe(seconds)
-
-    def on_unload(self, name: str, reason: str) -> None:
-        self.unloads.labels(model=name, reason=reason).inc()
-        if name in self._models:
-            self._models[name].idle()
-
-    def on_loaded_count(self, n: int) -> None:
-        self.loaded.set(n)
-
-    def snapshot(self, name: str) -> dict[str, Any]:
-        return self.for_model(name).snapshot()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -23,7 +23,6 @@ from ferrum.engine.speculation import SpecConfig
 from ferrum.engine.tiers import TierConfig
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
-from ferrum.metrics import ServerMetrics
 from ferrum.models.catalog import serve_specs
 from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
@@ -32,6 +31,7 @@ from ferrum.models.presets import load_presets
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration, parse_size
+from ferrum.server_metrics import ServerMetrics
 
 log = logging.getLogger("ferrum")
 

@@ -374,7 +374,7 @@ def fake_app(runner: FakeRunner | None = None, *, models: dict | None = None, **
     `models` maps names to FakeRunner factories."""
     from ferrum.api.app import create_app
     from ferrum.api.serving import ServerState
-    from ferrum.metrics import ServerMetrics
+    from ferrum.server_metrics import ServerMetrics
 
     the_runner = runner or FakeRunner()
     metrics = ServerMetrics()

@@ -30,10 +30,10 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
-from ferrum.metrics import ServerMetrics
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
 from ferrum.models.units import parse_duration
+from ferrum.server_metrics import ServerMetrics
 
 T = TypeVar("T")
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)

@@ -46,12 +46,13 @@ from ferrum.cluster.policy import RouteKey
 from ferrum.cluster.replica import REPLICA_HEADER, Head, Relayed
 from ferrum.cluster.settings import ClusterSettings
 from ferrum.errors import FerrumError, ServiceUnavailable
-from ferrum.metrics import CONTENT_TYPE, merge_replica_metrics
+from ferrum.metrics import CONTENT_TYPE
 from ferrum.models.catalog import serve_specs
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import Lease
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration
+from ferrum.server_metrics import merge_replica_metrics
 
 log = logging.getLogger("ferrum.cluster")
 
