@@ -78,7 +78,7 @@ class ServerMetrics:
 
     def _model_families(self) -> Iterator[tuple[str, Iterable[Metric]]]:
         for name, metrics in list(self._models.items()):
-            yield name, metrics.registry.collect()
+            yield name, metrics.collect()
 
     def for_model(self, name: str) -> Metrics:
         if name not in self._models:
