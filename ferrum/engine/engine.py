@@ -22,7 +22,7 @@ from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
-from ferrum.engine.tiers import TierConfig
+from ferrum.engine.tiers import TierConfig, TierStats
 from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 
 log = logging.getLogger("ferrum.engine")
@@ -76,6 +76,7 @@ class LLMEngine:
         self._live: dict[str, _RequestState] = {}
         self.stalled = False  # the last step had work but could schedule none of it
         self._finished_stats: list[FinishedRequest] = []
+        self._tiers_published: TierStats | None = None
 
     @staticmethod
     def _speculator(
@@ -326,7 +327,10 @@ class LLMEngine:
         stats.evictions_total = kv.evictions
         stats.window_fallbacks_total = kv.window_fallbacks
         if kv.saved is not None:
-            stats.tiers = kv.saved.snapshot().copy()
+            tiers = kv.saved.snapshot()
+            if tiers != self._tiers_published:  # a copy only when they changed
+                self._tiers_published = tiers.copy()
+            stats.tiers = self._tiers_published
         stats.queue_depth = len(sched.waiting)
         stats.active_requests = len(sched.running)
         stats.finished, self._finished_stats = self._finished_stats, []

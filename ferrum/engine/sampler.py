@@ -38,6 +38,15 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)
 
 
+# llama_get_logits_ith returning the row's address as an int: the binding's float pointer is
+# an object built per call, and numpy's view of it another (~40 µs a sample, run right after a
+# decode has emptied the CPU's caches). A sampler keeps one view per row address instead.
+_logits_address = ll.llama_cpp._lib["llama_get_logits_ith"]  # a function object of our own
+_logits_address.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+_logits_address.restype = ctypes.c_void_p
+_MAX_VIEWS = 64  # row addresses a sampler remembers (llama.cpp keeps its buffer between decodes)
+
+
 def _chain(params: SamplingParams, n_vocab: int) -> Any:
     chain_params = ll.llama_sampler_chain_default_params()
     chain_params.no_perf = True
@@ -99,6 +108,7 @@ class Sampler:
             sorted(set(end_tokens) | {t for t, _ in params.logit_bias}), dtype=np.int64
         )
         self._candidates: np.ndarray | None = None
+        self._views: dict[int, np.ndarray] = {}
         self._grammar = None
         self._chain = _chain(params, n_vocab)
         # Only penalty samplers remember accepted tokens (greedy and dist keep no history).
@@ -122,9 +132,22 @@ class Sampler:
                 self.close()
                 raise
 
+    def _logits(self, ctx: Any, index: int) -> np.ndarray:
+        """The logits of batch position `index`: llama.cpp's own buffer, valid until the next
+        decode (a view is only ever used for the address llama.cpp has just given)."""
+        address = _logits_address(ctx, index)
+        if not address:
+            raise ValueError(f"llama.cpp has no logits at batch position {index}")
+        view = self._views.get(address)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            row = (ctypes.c_float * self._n_vocab).from_address(address)
+            view = self._views[address] = np.frombuffer(memoryview(row), dtype=np.float32)
+        return view
+
     def sample(self, ctx: Any, index: int) -> tuple[int, TokenLogprobs | None]:
-        ptr = ll.llama_get_logits_ith(ctx, index)
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        logits = self._logits(ctx, index)
         # Logprobs describe the model, so they are read before the ban below edits the logits.
         dist = None if self._num_logprobs is None else _Distribution(logits, self._num_logprobs)
         if self._sampled < self._min_tokens and self._early_ban.size:

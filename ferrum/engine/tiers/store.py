@@ -128,13 +128,11 @@ class SavedStates:
         self._forget(entry)
 
     def poll(self) -> None:
-        """Applies what the I/O thread finished."""
-        while True:
-            try:
-                apply = self._done.get_nowait()
-            except queue.Empty:
-                return
-            apply()
+        """Applies what the I/O thread finished (the engine thread is the one consumer: what
+        `empty` says is there stays there; it runs every step, raising nothing when idle)."""
+        done = self._done
+        while not done.empty():
+            done.get_nowait()()
 
     def snapshot(self) -> TierStats:
         self.poll()
