@@ -57,6 +57,10 @@ class ComputeThread:
             raise job.error
         return cast(T, job.result)
 
+    def wanted(self) -> bool:
+        """Whether a job waits (a job that runs long checks this between pieces of its work)."""
+        return not self._jobs.empty()
+
     def _ensure_started(self) -> None:
         with self._start:
             if self._thread is None:

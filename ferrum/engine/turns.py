@@ -35,7 +35,7 @@ _SMOOTHING = 0.2
 
 class Party:
     """One thread's seat at the turns (an engine's, or request preparation's,
-    `ferrum.api.preparation`); used from that thread only."""
+    `ferrum.api.preparation`); used by one thread at a time."""
 
     def __init__(self, turns: Turns, name: str, paces: bool = True):
         self._turns = turns
@@ -45,12 +45,52 @@ class Party:
         self.last_end = float("-inf")  # monotonic time its last turn ended
         self.waiting = False
         self.turns_taken = 0
+        self._lap_start = 0.0  # monotonic time the turn held now (or its last lap) began
 
     @contextmanager
-    def turn(self) -> Iterator[None]:
-        """Holds the cores for the body; returns once every earlier request has had its turn."""
+    def turn(self, wait: bool = True) -> Iterator[bool]:
+        """Holds the cores for the body; returns once every earlier request has had its turn.
+        `wait=False`: only a turn nobody holds or waits for, at once; the body is told whether
+        it has one (True) or not (False, and it must not touch the cores)."""
+        turns = self._turns
+        if not self._wait_for_turn(wait):
+            yield False
+            return
+        self._lap_start = time.monotonic()
+        try:
+            yield True
+        finally:
+            end = time.monotonic()
+            with turns.cond:
+                turns.serving += 1
+                turns.skip_abandoned()
+                self._count_turn(end)
+
+    def lap(self) -> bool:
+        """Within a turn: the work since it began (or since the last lap) counts as a turn of
+        its own in the others' budgets, and the cores stay held while nobody else waits for
+        them. False: someone does; the holder ends its turn now. Cheaper than a turn a step
+        (no lock: a waiter that arrives meanwhile is seen at the next lap)."""
+        self._count_turn(time.monotonic())
+        turns = self._turns
+        return turns.next_ticket == turns.serving + 1
+
+    def _count_turn(self, end: float) -> None:
+        took = end - self._lap_start
+        if self.turns_taken == 0:
+            self.mean_turn_s = took
+        else:
+            self.mean_turn_s += _SMOOTHING * (took - self.mean_turn_s)
+        self.last_end = end
+        self.turns_taken += 1
+        self._lap_start = end
+
+    def _wait_for_turn(self, wait: bool) -> bool:
+        """Takes a ticket and waits until it is served; False: not waiting, and one was out."""
         turns = self._turns
         with turns.cond:
+            if not wait and turns.serving != turns.next_ticket:
+                return False
             ticket = turns.next_ticket
             turns.next_ticket += 1
             self.waiting = True
@@ -63,20 +103,7 @@ class Party:
                 raise
             finally:
                 self.waiting = False
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            end = time.monotonic()
-            with turns.cond:
-                turns.serving += 1
-                turns.skip_abandoned()
-                if self.turns_taken == 0:
-                    self.mean_turn_s = end - start
-                else:
-                    self.mean_turn_s += _SMOOTHING * (end - start - self.mean_turn_s)
-                self.last_end = end
-                self.turns_taken += 1
+        return True
 
     def budget_s(self, share: float) -> float | None:
         """How long this party's next turn should last: `share` of the shortest mean turn of

@@ -320,3 +320,67 @@ def test_a_request_answered_whole_crosses_to_the_event_loop_once():
             await front.stop()
 
     asyncio.run(run())
+
+
+class _ThreadRecordingRunner(FakeRunner):
+    """Notes which thread runs each decode."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.threads: list[str] = []
+
+    def execute(self, items):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().execute(items)
+
+
+def test_a_busy_engine_steps_on_the_compute_thread_and_yields_the_cores_within_a_step():
+    """Alone, an engine's steps run back to back on the compute thread (no hand-off between
+    threads, no turn of their own); another party asking for a turn, or another compute job,
+    gets the cores after the step under way, and the engine then goes on."""
+    import asyncio
+    import time
+
+    from ferrum.engine.async_engine import AsyncEngine
+    from ferrum.engine.compute import compute
+    from ferrum.engine.turns import Turns
+
+    step_s = 0.005
+    turns = Turns()
+    runner = _ThreadRecordingRunner(step_delay_s=step_s)
+
+    def waits_for_the_cores(other) -> list[float]:
+        waits = []
+        for i in range(6):
+            start = time.monotonic()
+            if i % 2:
+                compute().run(lambda: None)
+            else:
+                with other.turn():
+                    pass
+            waits.append(time.monotonic() - start)
+            time.sleep(2 * step_s)  # the engine takes the cores back meanwhile
+        return waits
+
+    async def run() -> None:
+        front = AsyncEngine(fake_engine(runner), turns=turns.join("engine"))
+        front.start()
+        try:
+            prompt = byte_tokenize("a long answer")
+            front.submit("r", prompt, sampling(max_tokens=400), True)
+            while len(runner.threads) < 20:
+                await asyncio.sleep(step_s)
+            assert set(runner.threads) == {"ferrum-compute"}
+            waits = await asyncio.to_thread(waits_for_the_cores, turns.join("other"))
+            # A step or so each (the request alone would hold the cores for 2 s).
+            assert max(waits) < 20 * step_s, waits
+            steps = len(runner.threads)
+            await asyncio.sleep(10 * step_s)
+            assert len(runner.threads) > steps + 3  # the engine went on
+            front.abort("r")
+        finally:
+            await front.stop()
+
+    asyncio.run(run())

@@ -169,3 +169,57 @@ def test_a_party_that_does_not_pace_leaves_the_others_budgets_alone():
     with chat.turn():
         time.sleep(0.01)
     assert embed.budget_s(0.5) == pytest.approx(0.5 * chat.mean_turn_s)
+
+
+def test_a_turn_without_waiting_is_had_only_when_nobody_holds_or_wants_one():
+    turns = Turns()
+    engine, other = turns.join("engine"), turns.join("other")
+    with engine.turn(wait=False) as held:
+        assert held  # free: taken at once
+        with other.turn(wait=False) as also:
+            assert not also  # held by the engine: refused, not queued
+    assert turns.next_ticket == turns.serving == 1  # the refusal left no ticket behind
+    inside = threading.Event()
+    release = threading.Event()
+
+    def wait_for_one() -> None:
+        with other.turn():
+            inside.set()
+            release.wait(5)
+
+    with engine.turn():
+        t = threading.Thread(target=wait_for_one)
+        t.start()
+        _wait_until(lambda: other.waiting)
+        with engine.turn(wait=False) as held:
+            assert not held  # another party waits (behind the engine's own turn)
+    assert inside.wait(5)
+    with engine.turn(wait=False) as held:
+        assert not held
+    release.set()
+    t.join(5)
+
+
+def test_laps_keep_a_turn_while_nobody_waits_and_count_as_turns():
+    turns = Turns()
+    engine, other = turns.join("engine"), turns.join("other")
+    entered = threading.Event()
+    with engine.turn() as held:
+        assert held
+        for _ in range(3):
+            time.sleep(0.01)
+            assert engine.lap()  # nobody else wants the cores: keep them
+        assert engine.turns_taken == 3 and 0.009 < engine.mean_turn_s < 0.1
+
+        def wait_for_one() -> None:
+            with other.turn():
+                entered.set()
+
+        t = threading.Thread(target=wait_for_one)
+        t.start()
+        _wait_until(lambda: other.waiting)
+        assert not engine.lap()  # someone waits: the holder must end its turn
+        assert not entered.is_set()  # ... which it still holds until it does
+    assert entered.wait(5)
+    t.join(5)
+    assert engine.turns_taken == 5  # three laps, the one that found a waiter, the end
