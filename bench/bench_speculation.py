@@ -3,7 +3,8 @@ without speculation and with its n-gram modes, on the default chat model.
 
 Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
 `ferrum serve` (--spec-type ngram, the default), the same with `--spec-recent 0` (guesses
-from a request's own tokens only, not from earlier requests') and `--spec-type none`;
+from a request's own tokens only, not from earlier requests') and `--spec-type none`, and
+either on `--alt-python` (arms ending in "alt", chosen by name only);
 `llama-server` built the way its users build it (bench/build_llama_server.sh: cmake defaults)
 with `--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
 ferrum runs without its disk tier (`--cache-disk 0`): like llama-server's, its prefix cache
@@ -58,10 +59,13 @@ TOPICS = ["a lighthouse keeper", "a lost violin", "a city under snow", "a robot 
 SAME_OUTPUT = {"repetition_penalty": 1.0, "repeat_penalty": 1.0}
 ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     "ferrum ngram": ("ferrum", [], {}),
+    # ferrum with speculation on another interpreter or tree (--alt-python: a before arm).
+    "ferrum ngram alt": ("ferrum", [], {}),
     # Guesses from the request's own tokens only, not from earlier requests' (--spec-recent 0).
     "ferrum ngram own": ("ferrum", ["--spec-recent", "0"], {}),
     "ferrum none": ("ferrum", ["--spec-type", "none"], {}),
-    # ferrum on another interpreter (--alt-python: e.g. a venv with another llama.cpp build).
+    # ferrum on another interpreter (--alt-python: e.g. a venv with another llama.cpp build,
+    # or a wrapper that puts an older tree on PYTHONPATH).
     "ferrum none alt": ("ferrum", ["--spec-type", "none"], {}),
     "llama-server none": ("llama-server", [], {}),
     "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"], {}),

@@ -55,6 +55,7 @@ class StepResult:
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     decode_calls: int = 0
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
+    decode_s: float = 0.0  # seconds inside llama_decode (0: not measured, as by test fakes)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,8 @@ class LLMEngine:
             sample_for = req.request_id if c.samples else None
             items.append(BatchItem(req.seq_id, tokens, c.start, sample_for, len(c.draft)))
         result = self.runner.execute(items)
+        if self.speculator is not None and result.decode_s > 0 and not sched.has_prefill:
+            self.speculator.timed(sched.num_tokens, result.decode_s)
         stats.decode_retries = max(0, result.decode_calls - 1)
         stats.faults_injected = result.faults_injected
         now = time.monotonic()

@@ -20,6 +20,7 @@ import ctypes
 import logging
 import os
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -268,7 +269,9 @@ class LlamaRunner:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
         batch.n_tokens = n
         result.decode_calls += 1
+        start = time.perf_counter()
         rc = int(compute().run(lambda: ll.llama_decode(self._ctx, batch)))
+        result.decode_s += time.perf_counter() - start
         if rc != 0:
             return rc
         for i, b, request_id in sample_at:

@@ -59,6 +59,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.length + len(c.draft) for c in self.chunks)
 
+    @property
+    def has_prefill(self) -> bool:
+        """Whether a chunk computes several positions of a prompt (or a recomputation)."""
+        return any(c.length > 1 for c in self.chunks)
+
 
 class Scheduler:
     def __init__(
@@ -133,16 +138,16 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if not self._grow_or_preempt(req, out):
                 continue  # req itself was preempted
-            draft = self._draft(req, min(share, budget - 1))
+            draft = self._draft(req, min(share, budget - 1), len(decoding))
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, draft))
             budget -= 1 + len(draft)
         return budget
 
-    def _draft(self, req: Request, room: int) -> tuple[int, ...]:
+    def _draft(self, req: Request, room: int, decoding: int) -> tuple[int, ...]:
         """req's draft, on blocks already free: a guess never evicts or preempts anything."""
         if self.speculator is None or room <= 0:
             return ()
-        draft = self.speculator.draft(req, room)
+        draft = self.speculator.draft(req, room, decoding)
         if draft and not self.blocks.grow(req.page_table, req.num_tokens + len(draft)):
             return ()
         return tuple(draft)

@@ -21,9 +21,11 @@ over the model's latest finished requests (`RecentSequences`: a regeneration or 
 repeats an earlier answer), and the longer of the two matches gives the guess. Lengths adapt per
 request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
 to what was accepted plus one otherwise, and a request whose drafts keep failing
-stops drafting for a while. Across the step, `batch_max` bounds the draft tokens of all
-requests together: with many sequences decoding, the batch is already wide enough that
-extra positions cost more than they save.
+stops drafting for a while. A guess must also pay for its position: the decode cost
+measured so far, the number of requests decoding and the request's rate of kept guesses
+decide how many guesses in a row are worth it (`Speculator`), so where the batch is already
+wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
+requests together.
 
 Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
 for sliding-window models (the window cache may recycle cells a rollback needs again).
@@ -38,9 +40,14 @@ from typing import Protocol
 
 from ferrum.config import EngineConfig
 from ferrum.engine.request import Request
+from ferrum.engine.turns import DecodeCost
 
 _FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
 _PAUSE_TOKENS = 32  # tokens generated without drafting after that
+_RATE_DECAY = 0.9  # per verification: how much of a request's older evidence still counts
+_PRIOR_TRIES = 4.0  # weight of the model-wide rate in a request's own (as guesses tried)
+_PROBE_EVERY = 16  # output tokens between single guesses while no guess pays (to re-measure)
+_REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
 
 
 @dataclass(frozen=True)
@@ -171,14 +178,25 @@ class RecentSequences:
 
 @dataclass
 class DraftState:
-    """One request's drafter and how long its drafts currently are."""
+    """One request's drafter, how long its drafts currently are, and how often its guesses
+    are kept."""
 
     drafter: Drafter
     length: int
     fails: int = 0
     paused_until: int = 0  # output length before which it does not draft
+    kept: float = 0.0  # guesses kept, older verifications counting less (_RATE_DECAY)
+    tried: float = 0.0  # guesses sampled at: each kept one and the first refused
+    probe_at: int = 0  # output length of the next single guess while none pays
+
+    def rate(self, prior: float) -> float:
+        """The chance that its next guess is kept, given the previous one was: its own
+        recent record, starting from `prior` (the model's)."""
+        return (self.kept + prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
 
     def update(self, drafted: int, accepted: int, draft_max: int, num_output: int) -> None:
+        self.kept = self.kept * _RATE_DECAY + accepted
+        self.tried = self.tried * _RATE_DECAY + accepted + (accepted < drafted)
         if accepted == drafted:
             self.length = min(draft_max, self.length * 2)
             self.fails = 0
@@ -192,24 +210,61 @@ class DraftState:
 
 @dataclass
 class Speculator:
-    """Drafts for the scheduler, verification results from the engine, and the totals."""
+    """Drafts for the scheduler, verification results from the engine, and the totals.
+
+    A guess pays only when it is likely enough to be kept. A decode of n positions takes
+    about fixed + n x per_token seconds (`DecodeCost`, fitted to the decodes without
+    prefill); with `decoding` requests in the step, each output token costs
+    (fixed + decoding x per_token) / decoding, and a request's j-th guess adds per_token
+    for a token kept with chance rate**j. So it drafts the guesses whose chance beats
+    per_token / that cost: on 2 CPU cores, a position costs about half a one-stream step, so
+    one stream drafts at rates over ~0.5 and 4 streams only over ~0.8, where the batch is
+    already wide. While no guess pays, a request still guesses one token every _PROBE_EVERY
+    tokens, so its rate follows what it writes."""
 
     config: SpecConfig
     make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(c.ngram_min, c.ngram_max)
     drafted: int = 0
     accepted: int = 0
+    tried: int = 0  # guesses sampled at (each kept one and the first refused), model-wide
+    cost: DecodeCost = field(default_factory=DecodeCost)
     _states: dict[str, DraftState] = field(default_factory=dict)
     recent: RecentSequences = field(init=False)
+    _fit: tuple[float, float] | None = None
+    _timed: int = 0
 
     def __post_init__(self) -> None:
         self.recent = RecentSequences(max_sequences=self.config.recent)
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A decode without prefill: `tokens` positions in `seconds`."""
+        self.cost.add(tokens, seconds)
+        self._timed += 1
+        if self._timed % _REFIT_EVERY == 1:
+            fit = self.cost.fit()
+            # A fit without a fixed part (decodes of one size only) cannot weigh a guess.
+            self._fit = fit if fit is not None and fit[0] > 0 and fit[1] > 0 else None
+
+    def paying(self, rate: float, decoding: int) -> int | None:
+        """How many guesses in a row pay for their positions at `rate` with `decoding`
+        requests in the step; None: the decode cost is not measured (no bound)."""
+        if self._fit is None:
+            return None
+        fixed, per_token = self._fit
+        bar = per_token * decoding / (fixed + per_token * decoding)
+        k, chance = 0, rate
+        while k < self.config.draft_max and chance > bar:
+            k += 1
+            chance *= rate
+        return k
 
     def wants(self, req: Request) -> bool:
         setting = req.params.speculate
         return self.config.enabled if setting is None else setting and self.config.draft_max > 0
 
-    def draft(self, req: Request, room: int) -> list[int]:
-        """Up to `room` draft tokens for req's next step (none when it should not draft)."""
+    def draft(self, req: Request, room: int, decoding: int = 1) -> list[int]:
+        """Up to `room` draft tokens for req's next step (none when it should not draft),
+        `decoding` requests decoding in it."""
         if room <= 0 or not self.wants(req):
             return []
         state = self._states.get(req.request_id)
@@ -220,6 +275,12 @@ class Speculator:
             return []
         # Never draft past max_tokens: those positions could never be kept.
         k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
+        pays = self.paying(state.rate((self.accepted + 1) / (self.tried + 2)), decoding)
+        if pays == 0 and req.num_output_tokens >= state.probe_at:
+            pays = 1
+            state.probe_at = req.num_output_tokens + _PROBE_EVERY
+        if pays is not None:
+            k = min(k, pays)
         if k <= 0:
             return []
         tokens = req.all_token_ids
@@ -236,6 +297,7 @@ class Speculator:
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
+        self.tried += accepted + (accepted < drafted)
         state = self._states.get(req.request_id)
         if state is not None:
             state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)

@@ -57,6 +57,54 @@ def test_draft_lengths_adapt_and_pause_after_failures():
     assert state.paused_until > 20
 
 
+def _measured(spec: Speculator, fixed: float = 0.006, per_token: float = 0.005) -> None:
+    """Decodes of 1 to 9 positions timed as fixed + n x per_token (enough for a fit)."""
+    for i in range(9):
+        spec.timed(1 + i, fixed + per_token * (1 + i))
+
+
+def test_a_guess_goes_in_only_where_its_chance_pays_for_its_position():
+    """A position costs per_token; a step of `decoding` requests yields one token each for
+    fixed + decoding x per_token. The j-th guess, kept with chance rate**j, pays while that
+    chance beats per_token x decoding / (fixed + decoding x per_token)."""
+    spec = Speculator(SpecConfig(draft_max=8))
+    assert spec.paying(0.5, 8) is None  # nothing measured: no bound
+    _measured(spec)
+    # One stream: bar 5/11. Four: 20/26. Eight: 40/46.
+    assert spec.paying(0.99, 1) == 8  # up to draft_max
+    assert spec.paying(0.8, 1) == 3  # 0.8**3 = 0.51 > 0.45 > 0.8**4
+    assert spec.paying(0.8, 4) == 1  # 0.8 > 0.77 > 0.64
+    assert spec.paying(0.8, 8) == 0
+    assert spec.paying(0.95, 8) == 2  # 0.95**2 = 0.90 > 0.87 > 0.86
+    assert spec.paying(0.3, 1) == 0
+    for rate in (0.5, 0.7, 0.9, 0.97):
+        counts = [spec.paying(rate, d) for d in (1, 2, 4, 8, 16)]
+        assert counts == sorted(counts, reverse=True)  # wider batches: fewer guesses
+    flat = Speculator(SpecConfig())
+    for _ in range(9):
+        flat.timed(4, 0.02)  # one size only: no fixed part to weigh a guess against
+    assert flat.paying(0.5, 4) is None
+
+
+def test_a_request_whose_guesses_do_not_pay_still_guesses_one_now_and_then():
+    spec = Speculator(SpecConfig(ngram_min=1, ngram_max=2, draft_max=8))
+    _measured(spec)
+    req = Request("r", [5] * 30, sampling(max_tokens=500))  # every guess right: 5 follows 5
+    assert spec.draft(req, 8, decoding=1) == [5]  # the prior rate (0.5) pays one guess
+    spec.verified(req, 2, 0)  # refused: its rate falls, and one guess no longer pays at 8
+    spec.verified(req, 1, 0)
+    sizes = []
+    for _ in range(2 * 16):
+        req.append_output(5)
+        sizes.append(len(spec.draft(req, 8, decoding=8)))
+    assert sizes.count(1) == 2 and set(sizes) == {0, 1}  # a probe every 16 tokens
+    state = spec._states["r"]
+    assert state.rate(0.5) < 0.5
+    for _ in range(30):
+        spec.verified(req, 1, 1)  # the probes are kept: the rate climbs back
+    assert state.rate(0.5) > 0.8
+
+
 def _finished(tokens: list[int]) -> NgramDrafter:
     d = NgramDrafter(2, 4)
     d.index_all(tokens)  # every n-gram, as a finished request's drafter has
