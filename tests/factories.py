@@ -106,6 +106,8 @@ class FakeRunner:
     cleared: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
+    # (fixed, per token) seconds each decode reports having taken (None: not measured)
+    decode_cost: tuple[float, float] | None = None
     # Sequences whose sliding window has lost cells: `holds_window` refuses copies from them.
     lost_windows: set[int] = field(default_factory=set)
     vocab: FakeVocab = field(default_factory=FakeVocab)
@@ -164,6 +166,8 @@ class FakeRunner:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         result = StepResult(decode_calls=1)
+        if self.decode_cost is not None:
+            result.decode_s = self.decode_cost[0] + self.decode_cost[1] * n
         for idx, item in enumerate(items):
             if item.seq_id in self.fail_seqs:
                 self.fail_seqs.discard(item.seq_id)

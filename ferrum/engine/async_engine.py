@@ -239,22 +239,24 @@ class AsyncEngine:
         waits meanwhile, so the engine still has one owner at a time. How many steps ran (0:
         the cores were wanted at once; the engine thread waits for its turn instead)."""
         core = self.core
-        party = self._party
         steps = 0
-        with party.turn(wait=False) as held:
+        with self._party.turn(wait=False) as held:
             while held and core.has_work and not core.stalled and not self._stopping:
                 if compute().wanted():
                     break
-                outputs = self._step()
+                self._after_step(self._step())
                 steps += 1
-                drained = self._drain_commands(block=False)
-                if drained and not core.has_work:
-                    core.publish_stats()  # an abort ended the last request: the gauges say so
-                outputs.extend(drained)
-                if outputs:
-                    self._post(outputs)
-                held = party.lap()
+                held = self._party.lap()
         return steps
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """Applies the commands that came during a step and posts its outputs with theirs."""
+        drained = self._drain_commands(block=False)
+        if drained and not self.core.has_work:
+            self.core.publish_stats()  # an abort ended the last request: the gauges say so
+        outputs.extend(drained)
+        if outputs:
+            self._post(outputs)
 
     def _step(self) -> list[RequestOutput]:
         try:

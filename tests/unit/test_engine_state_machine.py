@@ -39,20 +39,24 @@ KINDS = ["fresh", "same", "extend", "branch", "turn"]
 
 
 class _PumpedAsyncEngine(AsyncEngine):
-    """AsyncEngine whose engine thread is `pump()`: one pass of its loop, on the caller's thread.
+    """AsyncEngine whose engine thread is `pump()`: one step of its loop, on the caller's
+    thread, followed by what a busy engine does after each step (`_after_step`: commands
+    applied, outputs posted).
 
     Commands, dropped outputs of aborted requests and stream bookkeeping are AsyncEngine's own;
-    only the thread and the event loop hop are gone.
+    only the thread and the event loop hop are gone (posting dispatches at once).
     """
 
     alive = True  # no thread to ask
 
     def pump(self) -> list[RequestOutput]:
-        outputs = self._drain_commands(block=False)
-        if self.core.has_work:
-            outputs.extend(self.core.step())
+        self._posted: list[RequestOutput] = []
+        self._after_step(self.core.step() if self.core.has_work else [])
+        return self._posted
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        self._posted.extend(outputs)
         self._dispatch(self._hold(outputs))
-        return outputs
 
     @property
     def idle(self) -> bool:
@@ -315,10 +319,12 @@ TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
 class NgramEngineMachine(SpeculatingEngineMachine):
     """The same traffic with the real n-gram drafter: guesses from each request's own tokens
     and from the requests finished before it (the traffic repeats earlier prompts and
-    conversations), right or wrong as they come."""
+    conversations), right or wrong as they come, each only where it pays for its position."""
 
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
-        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        # Decodes timed as 2 CPU cores time them: the guesses must also pay (Speculator.paying).
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6),
+                            decode_cost=(0.006, 0.005))  # fmt: skip
         spec = SpecConfig(draft_max=4, batch_max=8, ngram_min=1, ngram_max=4)
         return runner, LLMEngine(runner, block_size=8, max_running=3, speculation=spec)
 
