@@ -5,8 +5,10 @@ Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
 `ferrum serve` (--spec-type ngram, the default), the same with `--spec-recent 0` (guesses
 from a request's own tokens only, not from earlier requests') and `--spec-type none`, and
 either on `--alt-python` (arms ending in "alt", chosen by name only);
-`llama-server` built the way its users build it (bench/build_llama_server.sh: cmake defaults)
-with `--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`.
+`llama-server` built with ferrum's own kernel flags (bench/build_llama_server.sh) with
+`--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`;
+and `llama-server default none`, llama-server built the way its users build it (cmake
+defaults, FLAVOR=default bench/build_llama_server.sh; chosen by name only).
 ferrum runs without its disk tier (`--cache-disk 0`): like llama-server's, its prefix cache
 then starts empty with each server instead of holding the prompts of earlier rounds.
 
@@ -70,7 +72,10 @@ ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     "llama-server none": ("llama-server", [], {}),
     "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"], {}),
     "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"], {}),
+    # llama-server as its users build it: cmake defaults (-march=native).
+    "llama-server default none": ("llama-server-default", [], {}),
 }
+BY_NAME_ONLY = (" alt", " default none")
 
 
 def _chat(user: str, assistant_start: str = "") -> str:
@@ -96,11 +101,16 @@ def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
                              "8192", "--cache-disk", "0", *extra)  # fmt: skip
         cmd[0] = python
     else:
-        cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "-np", "8",
+        flavor = "default" if kind == "llama-server-default" else "same"
+        cmd = [str(llama_cpp_build_dir(flavor) / "llama-server"), "-m", model, "-np", "8",
                "-c", "8192", "-t", str(threads), "--port", str(port), *extra]  # fmt: skip
     server = ServerProcess(cmd, folder / f"{arm.replace(' ', '-')}.log", port,
                            env={**os.environ, **env} if env else None)  # fmt: skip
-    server.wait_ready(server.url, "/health", timeout=300)
+    try:
+        server.wait_ready(server.url, "/health", timeout=300)
+    except RuntimeError:
+        server.stop()
+        raise
     return server
 
 
@@ -133,7 +143,7 @@ def main() -> None:
                     help="workloads run once before the cells (copy: its prompt then cached)")
     ap.add_argument("--alt-python", default=sys.executable,
                     help="interpreter of the 'ferrum none alt' arm (another llama.cpp build)")
-    ap.add_argument("--arms", default=",".join(a for a in ARMS if not a.endswith(" alt")))
+    ap.add_argument("--arms", default=",".join(a for a in ARMS if not a.endswith(BY_NAME_ONLY)))
     ap.add_argument("--out", default="bench/results/speculation")
     args = ap.parse_args()
     global ALT_PYTHON
@@ -143,10 +153,18 @@ def main() -> None:
     arms = args.arms.split(",")
     cells = [(w, int(c)) for w in args.workloads.split(",") for c in args.clients.split(",")]
     rounds = []
+    failed: dict[str, str] = {}
     for r in range(args.rounds):
         row: dict[str, float] = {}
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            server = _server(arm, args.threads, out)
+            if arm in failed:
+                continue
+            try:
+                server = _server(arm, args.threads, out)
+            except RuntimeError as exc:  # e.g. a build whose kernels fault on this CPU
+                failed[arm] = str(exc)
+                print(f"{arm} left out: it did not start: {exc}", flush=True)
+                continue
             try:
                 for workload in args.warm.split(","):  # weights paged in (and prompts cached)
                     asyncio.run(_run(server.url, workload, 1))
@@ -162,6 +180,9 @@ def main() -> None:
     for workload, clients in cells:
         base = f"{workload} c={clients} ferrum none"
         for arm in arms:
+            if arm in failed:
+                print(f"{workload} c={clients} {arm}: did not start (see its log)")
+                continue
             key = f"{workload} c={clients} {arm}"
             s = Spread.of(row[key] for row in kept)
             ratio = Spread.of(row[key] / row[base] for row in kept) if base in kept[0] else None

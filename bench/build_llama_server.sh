@@ -5,12 +5,22 @@
 # `llama-batched-bench` is llama.cpp's own batched decode loop (no HTTP, no sampling): the
 # ceiling `ferrum bench --workloads engine` measures ferrum's engine against.
 #
+# Two flavors (FLAVOR):
+#   same     (default) the kernels of ferrum's own build: scripts/cpu-cmake-args (this
+#            machine's vector extensions, AMX never), or FERRUM_CMAKE_ARGS where that is set,
+#            exactly as scripts/install builds llama-cpp-python. Same kernels, fair comparison.
+#   default  cmake's defaults (GGML_NATIVE=ON: -march=native, AMX included where the CPU
+#            reports it): llama-server as its users build it. On AMX hosts in a VM it may die
+#            in its first decode (see scripts/cpu-cmake-args); the benchmark then reports the
+#            arm as failed with its log.
+#
 # Everything lands in a cache folder outside the repo:
 #   ${FERRUM_BENCH_CACHE:-$HOME/.cache/ferrum-bench}/
 #     sdist/llama_cpp_python-VERSION.tar.gz   downloaded sdist
 #     src/llama_cpp_python-VERSION/            unpacked sdist
-#     build-VERSION/bin/llama-server           the server (path printed on the last line)
+#     build-VERSION/bin/llama-server           the server, flavor same (path printed last)
 #     build-VERSION/bin/llama-batched-bench    the batched decode benchmark, same flags
+#     build-VERSION-default/bin/...            flavor default
 #
 # Idempotent: each step is skipped when its output already exists (configure re-runs only
 # when the cmake arguments change); the build step is an incremental no-op when up to date.
@@ -18,7 +28,7 @@
 #
 # Usage: bench/build_llama_server.sh
 #   env: FERRUM_BENCH_CACHE, JOBS (default nproc), PYTHON (pip to use),
-#        GGML_NATIVE (default OFF), EXTRA_CMAKE_ARGS (appended to the cmake configure line)
+#        FLAVOR (same | default), EXTRA_CMAKE_ARGS (appended to the cmake configure line)
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +49,12 @@ sdist_dir="$cache/sdist"
 src_root="$cache/src"
 src_dir="$src_root/llama_cpp_python-$version"
 llama_dir="$src_dir/vendor/llama.cpp"
-build_dir="$cache/build-$version"
+flavor="${FLAVOR:-same}"
+case "$flavor" in
+    same) build_dir="$cache/build-$version" ;;
+    default) build_dir="$cache/build-$version-default" ;;
+    *) echo "error: FLAVOR must be same or default, not '$flavor'" >&2; exit 1 ;;
+esac
 binary="$build_dir/bin/llama-server"
 targets=(llama-server llama-batched-bench)
 
@@ -75,16 +90,20 @@ unpack_sdist() {
     fi
 }
 
+kernel_args() {
+    if [[ "$flavor" == default ]]; then
+        return  # cmake's defaults
+    fi
+    # The flags scripts/install gives llama-cpp-python, one per line.
+    # shellcheck disable=SC2086
+    printf '%s\n' ${FERRUM_CMAKE_ARGS:-$("$repo_root/scripts/cpu-cmake-args")}
+}
+
 cmake_args() {
-    # GGML_NATIVE=OFF gives the portable x86-64 kernel set (AVX, AVX2, FMA, F16C, BMI2): the
-    # same one the llama-cpp-python wheel ferrum links reports, so both arms run identical
-    # ggml kernels. -march=native would also pull in AVX-512/AMX, and the AMX path segfaults
-    # in VMs whose kernel does not grant AMX tile state (seen here on a Firecracker guest).
     # LLAMA_CURL is deprecated/ignored in this llama.cpp; the network-touching knobs are the
     # prebuilt web-UI download and OpenSSL, both switched off.
     printf '%s\n' \
         -DCMAKE_BUILD_TYPE=Release \
-        "-DGGML_NATIVE=${GGML_NATIVE:-OFF}" \
         -DBUILD_SHARED_LIBS=OFF \
         -DGGML_CCACHE=OFF \
         -DLLAMA_BUILD_TESTS=OFF \
@@ -94,8 +113,12 @@ cmake_args() {
         -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_BORINGSSL=OFF \
-        -DLLAMA_BUILD_LIBRESSL=OFF \
-        ${EXTRA_CMAKE_ARGS:-}
+        -DLLAMA_BUILD_LIBRESSL=OFF
+    kernel_args
+    if [[ -n "${EXTRA_CMAKE_ARGS:-}" ]]; then
+        # shellcheck disable=SC2086
+        printf '%s\n' $EXTRA_CMAKE_ARGS
+    fi
 }
 
 configure() {

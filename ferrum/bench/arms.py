@@ -18,8 +18,11 @@ from pathlib import Path
 from ferrum.bench.client import Dialect
 from ferrum.bench.settings import BenchSettings
 
-ARM_KINDS = ("ferrum", "llama-server", "llama-cpp-python", "url")
+ARM_KINDS = ("ferrum", "llama-server", "llama-server-default", "llama-cpp-python", "url")
 BUILD_HINT = "build it with bench/build_llama_server.sh (in a ferrum checkout)"
+# llama-server as its users build it (cmake defaults: -march=native), beside the build with
+# ferrum's own kernel flags ("llama-server"). Each kind's build flavor:
+LLAMA_SERVER_FLAVORS = {"llama-server": "same", "llama-server-default": "default"}
 
 
 @dataclass(frozen=True)
@@ -32,17 +35,23 @@ class Arm:
     url: str = ""  # only for kind "url": the server is not ours to start
 
 
-def llama_cpp_build_dir() -> Path:
-    """Where bench/build_llama_server.sh puts llama.cpp's binaries for the installed pin."""
+def llama_cpp_build_dir(flavor: str = "same") -> Path:
+    """Where bench/build_llama_server.sh puts llama.cpp's binaries for the installed pin:
+    built with ferrum's kernel flags ("same"), or with cmake's defaults ("default")."""
     cache = Path(os.environ.get("FERRUM_BENCH_CACHE", Path.home() / ".cache" / "ferrum-bench"))
     version = importlib.metadata.version("llama-cpp-python")
-    return cache / f"build-{version}" / "bin"
+    suffix = "" if flavor == "same" else f"-{flavor}"
+    return cache / f"build-{version}{suffix}" / "bin"
 
 
 def unavailable_reason(kind: str) -> str | None:
     """Why an arm cannot run on this machine, or None."""
-    if kind == "llama-server" and not (llama_cpp_build_dir() / "llama-server").is_file():
-        return f"no {llama_cpp_build_dir() / 'llama-server'}; {BUILD_HINT}"
+    if kind in LLAMA_SERVER_FLAVORS:
+        flavor = LLAMA_SERVER_FLAVORS[kind]
+        binary = llama_cpp_build_dir(flavor) / "llama-server"
+        if not binary.is_file():
+            env = "" if flavor == "same" else f"FLAVOR={flavor} "
+            return f"no {binary}; build it with {env}bench/build_llama_server.sh (in a checkout)"
     if kind == "llama-cpp-python":
         missing = [
             m
@@ -57,7 +66,7 @@ def unavailable_reason(kind: str) -> str | None:
 def make_arm(kind: str, label: str, url: str = "", eog: tuple[int, ...] = ()) -> Arm:
     if kind == "ferrum":
         return Arm(label, kind, serial=False, dialect=Dialect())
-    if kind == "llama-server":
+    if kind in LLAMA_SERVER_FLAVORS:
         return Arm(label, kind, serial=False, dialect=Dialect())
     if kind == "llama-cpp-python":
         # No ignore_eos field and no usage in streams; /health does not exist.
@@ -75,8 +84,9 @@ def server_command(arm: Arm, s: BenchSettings, model: str, port: int) -> list[st
         cmd = [sys.executable, "-m", "ferrum.cli", "serve", "--model", model, "--port", p]
         cmd += ["--threads", t, "--parallel", str(s.parallel), "--ctx-size", c]
         return [*cmd, "--log-level", "warning"]
-    if arm.kind == "llama-server":
-        cmd = [str(llama_cpp_build_dir() / "llama-server"), "-m", model, "--port", p]
+    if arm.kind in LLAMA_SERVER_FLAVORS:
+        binary = llama_cpp_build_dir(LLAMA_SERVER_FLAVORS[arm.kind]) / "llama-server"
+        cmd = [str(binary), "-m", model, "--port", p]
         cmd += ["-t", t, "-tb", t, "-np", str(s.parallel), "-c", c]
         # --kv-unified: one shared cell pool like ferrum's, instead of ctx/np cells per slot.
         # --log-verbosity 2: warnings and errors only (no per-request info lines).

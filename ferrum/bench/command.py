@@ -20,8 +20,10 @@ from ferrum.bench.settings import FULL, QUICK, WORKLOADS, estimate_seconds
 HELP = "side-by-side benchmark: ferrum vs llama-server, llama-cpp-python or any URL"
 EPILOG = """
 arms: ferrum (this package), llama-server and llama-batched-bench (llama.cpp's own, built by
-bench/build_llama_server.sh from the pinned llama-cpp-python sdist), llama-cpp-python (its
-server; needs the bench extra), url (any OpenAI-compatible server given with --url).
+bench/build_llama_server.sh from the pinned llama-cpp-python sdist with ferrum's kernel flags),
+llama-server-default (the same server as its users build it, cmake defaults: built by
+FLAVOR=default bench/build_llama_server.sh), llama-cpp-python (its server; needs the bench
+extra), url (any OpenAI-compatible server given with --url).
 "auto" = ferrum plus every other arm available here. The first arm is the reference that
 ratios and verdicts are stated for. The engine workload always compares ferrum's decode loop
 with llama-batched-bench, whatever --arms says.
@@ -59,7 +61,7 @@ def _arms(args: argparse.Namespace, notes: list[str], model: str) -> list:
 
     if args.arms == "auto":
         kinds = ["ferrum"]
-        for kind in ("llama-server", "llama-cpp-python"):
+        for kind in ("llama-server", "llama-server-default", "llama-cpp-python"):
             reason = unavailable_reason(kind)
             if reason:
                 notes.append(f"arm {kind} left out: {reason}")

@@ -3,6 +3,8 @@ No servers, no llama.cpp; the harness itself is exercised by `ferrum bench --qui
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ferrum.bench.client import Dialect, Sample, request_body
@@ -131,3 +133,26 @@ def test_quick_preset_is_much_shorter_than_full():
     arms = [False, False, True]  # ferrum, llama-server, llama-cpp-python (serial)
     full, quick = estimate_seconds(FULL, arms, workloads), estimate_seconds(QUICK, arms, workloads)
     assert quick * 4 < full <= 40 * 60
+
+
+def test_llama_server_arms_run_their_own_builds(tmp_path, monkeypatch):
+    """`llama-server` runs the build with ferrum's kernel flags, `llama-server-default` the one
+    with cmake's defaults; a missing build names the command that makes it."""
+    from ferrum.bench.arms import make_arm, server_command, unavailable_reason
+
+    monkeypatch.setenv("FERRUM_BENCH_CACHE", str(tmp_path))
+    assert "FLAVOR=default bench/build_llama_server.sh" in unavailable_reason(
+        "llama-server-default"
+    )
+    same = unavailable_reason("llama-server")
+    assert same is not None and "FLAVOR" not in same
+    binaries = {}
+    for kind in ("llama-server", "llama-server-default"):
+        cmd = server_command(make_arm(kind, kind), FULL, "m.gguf", 8080)
+        binaries[kind] = cmd[0]
+        Path(cmd[0]).parent.mkdir(parents=True)
+        Path(cmd[0]).touch()
+        assert unavailable_reason(kind) is None
+    assert Path(binaries["llama-server"]).parent.parent.name.startswith("build-")
+    assert Path(binaries["llama-server-default"]).parent.parent.name.endswith("-default")
+    assert binaries["llama-server"] != binaries["llama-server-default"]
