@@ -28,25 +28,26 @@ def _flags(tmp_path: Path, macros: list[str], **env: str) -> set[str]:
     return set(out.split())
 
 
-def test_every_extension_the_cpu_has_but_never_amx(tmp_path):
+def test_every_extension_up_to_256_bits_and_never_amx(tmp_path):
     flags = _flags(tmp_path, SAPPHIRE_RAPIDS)
     assert "-DGGML_NATIVE=OFF" in flags
-    for name in ("AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VNNI",
-                 "AVX512_VBMI", "AVX512_BF16"):  # fmt: skip
+    for name in ("AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI"):
         assert f"-DGGML_{name}=ON" in flags
+    assert not any("AVX512" in f for f in flags)
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= flags
     assert not any("AMX" in f and f.endswith("=ON") for f in flags)
 
 
-def test_avx512_off_on_request_and_without_its_whole_base(tmp_path):
-    opted_out = _flags(tmp_path, SAPPHIRE_RAPIDS, FERRUM_AVX512="0")
-    assert "-DGGML_AVX_VNNI=ON" in opted_out
-    assert not any("AVX512" in f for f in opted_out)
-    no_bw = _flags(tmp_path, [m for m in SAPPHIRE_RAPIDS if m != "AVX512BW"])
+def test_avx512_on_request_and_only_with_its_whole_base(tmp_path):
+    wide = _flags(tmp_path, SAPPHIRE_RAPIDS, FERRUM_AVX512="1")
+    for name in ("AVX512", "AVX512_VNNI", "AVX512_VBMI", "AVX512_BF16", "AVX_VNNI"):
+        assert f"-DGGML_{name}=ON" in wide
+    assert not any("AMX" in f and f.endswith("=ON") for f in wide)
+    no_bw = _flags(tmp_path, [m for m in SAPPHIRE_RAPIDS if m != "AVX512BW"], FERRUM_AVX512="1")
     assert not any("AVX512" in f for f in no_bw)
 
 
 def test_an_avx2_machine_gets_no_more_than_it_has(tmp_path):
-    flags = _flags(tmp_path, ["SSE4_2", "AVX", "AVX2", "FMA", "F16C", "BMI2"])
-    assert "-DGGML_AVX2=ON" in flags
-    assert not any(x in f for f in flags for x in ("VNNI", "AVX512")) and "-DGGML_FMA=ON" in flags
+    flags = _flags(tmp_path, ["SSE4_2", "AVX", "AVX2", "FMA", "F16C", "BMI2"], FERRUM_AVX512="1")
+    assert "-DGGML_AVX2=ON" in flags and "-DGGML_FMA=ON" in flags
+    assert not any(x in f for f in flags for x in ("VNNI", "AVX512"))
