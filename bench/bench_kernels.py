@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 
 
@@ -80,6 +79,9 @@ def main() -> None:
         return
     if not args.python:
         ap.error("give each build's interpreter with --python")
+    # Only the parent needs ferrum: a child's interpreter may be any venv with llama_cpp.
+    from ferrum.bench.stats import Spread
+
     if args.model is None:
         from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
@@ -98,12 +100,12 @@ def main() -> None:
     first = args.python[0]
     for k in map(str, ks):
         for python in args.python:
-            ms = sorted(row[python][k] for row in kept)
-            ratio = sorted(row[python][k] / row[first][k] for row in kept)
-            print(f"k={k} {python}: {statistics.median(ms):.2f} ms [{ms[0]:.2f}, {ms[-1]:.2f}]"
-                  f"  x{statistics.median(ratio):.3f} [{ratio[0]:.3f}, {ratio[-1]:.3f}]"
-                  f" of {first}")  # fmt: skip
+            ms = Spread.of(row[python][k] for row in kept)
+            ratio = Spread.of(row[python][k] / row[first][k] for row in kept)
+            assert ms is not None and ratio is not None  # every round has every build
+            print(f"k={k} {python}: {ms.median:.2f} ms [{ms.lo:.2f}, {ms.hi:.2f}]"
+                  f"  x{ratio.median:.3f} [{ratio.lo:.3f}, {ratio.hi:.3f}] of {first}")  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from ferrum.bench.arms import llama_cpp_build_dir
+from ferrum.bench.arms import LLAMA_SERVER_FLAVORS, llama_cpp_build_dir
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from ferrum.bench.stats import Spread
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
@@ -101,8 +101,8 @@ def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
                              "8192", "--cache-disk", "0", *extra)  # fmt: skip
         cmd[0] = python
     else:
-        flavor = "default" if kind == "llama-server-default" else "same"
-        cmd = [str(llama_cpp_build_dir(flavor) / "llama-server"), "-m", model, "-np", "8",
+        binary = llama_cpp_build_dir(LLAMA_SERVER_FLAVORS[kind]) / "llama-server"
+        cmd = [str(binary), "-m", model, "-np", "8",
                "-c", "8192", "-t", str(threads), "--port", str(port), *extra]  # fmt: skip
     server = ServerProcess(cmd, folder / f"{arm.replace(' ', '-')}.log", port,
                            env={**os.environ, **env} if env else None)  # fmt: skip
@@ -153,7 +153,7 @@ def main() -> None:
     arms = args.arms.split(",")
     cells = [(w, int(c)) for w in args.workloads.split(",") for c in args.clients.split(",")]
     rounds = []
-    failed: dict[str, str] = {}
+    failed: set[str] = set()  # arms that did not start
     for r in range(args.rounds):
         row: dict[str, float] = {}
         for arm in arms if r % 2 == 0 else arms[::-1]:
@@ -162,7 +162,7 @@ def main() -> None:
             try:
                 server = _server(arm, args.threads, out)
             except RuntimeError as exc:  # e.g. a build whose kernels fault on this CPU
-                failed[arm] = str(exc)
+                failed.add(arm)
                 print(f"{arm} left out: it did not start: {exc}", flush=True)
                 continue
             try:

@@ -19,10 +19,15 @@ from ferrum.bench.client import Dialect
 from ferrum.bench.settings import BenchSettings
 
 ARM_KINDS = ("ferrum", "llama-server", "llama-server-default", "llama-cpp-python", "url")
-BUILD_HINT = "build it with bench/build_llama_server.sh (in a ferrum checkout)"
 # llama-server as its users build it (cmake defaults: -march=native), beside the build with
 # ferrum's own kernel flags ("llama-server"). Each kind's build flavor:
 LLAMA_SERVER_FLAVORS = {"llama-server": "same", "llama-server-default": "default"}
+
+
+def build_hint(flavor: str = "same") -> str:
+    """How to build llama.cpp's binaries of `flavor` (bench/build_llama_server.sh's FLAVOR)."""
+    env = "" if flavor == "same" else f"FLAVOR={flavor} "
+    return f"build it with {env}bench/build_llama_server.sh (in a ferrum checkout)"
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,7 @@ def unavailable_reason(kind: str) -> str | None:
         flavor = LLAMA_SERVER_FLAVORS[kind]
         binary = llama_cpp_build_dir(flavor) / "llama-server"
         if not binary.is_file():
-            env = "" if flavor == "same" else f"FLAVOR={flavor} "
-            return f"no {binary}; build it with {env}bench/build_llama_server.sh (in a checkout)"
+            return f"no {binary}; {build_hint(flavor)}"
     if kind == "llama-cpp-python":
         missing = [
             m
@@ -64,9 +68,7 @@ def unavailable_reason(kind: str) -> str | None:
 
 
 def make_arm(kind: str, label: str, url: str = "", eog: tuple[int, ...] = ()) -> Arm:
-    if kind == "ferrum":
-        return Arm(label, kind, serial=False, dialect=Dialect())
-    if kind in LLAMA_SERVER_FLAVORS:
+    if kind == "ferrum" or kind in LLAMA_SERVER_FLAVORS:
         return Arm(label, kind, serial=False, dialect=Dialect())
     if kind == "llama-cpp-python":
         # No ignore_eos field and no usage in streams; /health does not exist.

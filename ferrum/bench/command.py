@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    from ferrum.bench.arms import BUILD_HINT, llama_cpp_build_dir
+    from ferrum.bench.arms import build_hint, llama_cpp_build_dir
     from ferrum.bench.harness import Plan
     from ferrum.config import physical_cores
     from ferrum.models import BENCH_MODEL, builtin_path
@@ -160,7 +160,7 @@ def _plan(args: argparse.Namespace) -> Any:
     plan = Plan(settings, arms, workloads, model, args.port, out, notes)
     if "engine" in workloads and not (llama_cpp_build_dir() / "llama-batched-bench").is_file():
         plan.engine_sides = ("ferrum",)
-        notes.append(f"engine workload: no llama-batched-bench ceiling; {BUILD_HINT}")
+        notes.append(f"engine workload: no llama-batched-bench ceiling; {build_hint()}")
     return plan
 
 
