@@ -26,9 +26,12 @@ prose: weights paged in). `--warm prose,copy` also caches the copy prompt in eve
 in the n-gram tables that learn from earlier requests), so its cells measure decoding alone,
 as a user who sends the same document again sees it.
 
-Per round and arm: output tokens per second over all clients. Rounds alternate the arm
-order; round 1 is a warm-up and is dropped; median [min, max] over the rest, and ratios to
-ferrum without speculation per round.
+Per round and arm: output tokens per second over all clients, over the whole run and (at
+more than one client) while every client still had a request out ("all busy": the rate at
+the concurrency the cell is named for; the whole run's rate also holds its tail, where the
+clients done first have left the batch narrower). Rounds alternate the arm order; round 1
+is a warm-up and is dropped; median [min, max] over the rest, and ratios to ferrum without
+speculation per round.
 
     .venv/bin/python bench/bench_speculation.py [--rounds 4] [--threads 2] [--clients 1,4]
 """
@@ -47,7 +50,7 @@ import httpx
 
 from ferrum.bench.arms import LLAMA_SERVER_FLAVORS, llama_cpp_build_dir
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
-from ferrum.bench.stats import Spread
+from ferrum.bench.stats import Answer, Spread, rate_while_all_busy
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
 ALT_PYTHON = sys.executable  # --alt-python
@@ -76,6 +79,7 @@ ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     "llama-server default none": ("llama-server-default", [], {}),
 }
 BY_NAME_ONLY = (" alt", " default none")
+ALL_BUSY = ", all busy"  # the key suffix of a cell's rate while every client had a request out
 
 
 def _chat(user: str, assistant_start: str = "") -> str:
@@ -114,23 +118,26 @@ def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
     return server
 
 
-async def _run(url: str, workload: str, clients: int) -> float:
-    """Output tokens per second of `clients` clients, each sending its requests in turn."""
-    tokens = 0
+async def _run(url: str, workload: str, clients: int) -> tuple[float, float | None]:
+    """Output tokens per second of `clients` clients, each sending its requests in turn: over
+    the whole run, and while every client still had a request out (`rate_while_all_busy`)."""
+    answers: list[list[Answer]] = [[] for _ in range(clients)]
 
     async def client(http: httpx.AsyncClient, c: int) -> None:
-        nonlocal tokens
         for r in range(REQUESTS_PER_CLIENT):
             body = {"model": "bench", "prompt": _prompt(workload, c * REQUESTS_PER_CLIENT + r),
                     "max_tokens": MAX_TOKENS, "temperature": 0, **SAME_OUTPUT}  # fmt: skip
+            sent = time.perf_counter()
             resp = await http.post("/v1/completions", json=body)
             resp.raise_for_status()
-            tokens += resp.json()["usage"]["completion_tokens"]
+            tokens = resp.json()["usage"]["completion_tokens"]
+            answers[c].append(Answer(sent, time.perf_counter(), tokens))
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         start = time.perf_counter()
         await asyncio.gather(*(client(http, c) for c in range(clients)))
-        return tokens / (time.perf_counter() - start)
+        whole = sum(a.tokens for client_answers in answers for a in client_answers)
+        return whole / (time.perf_counter() - start), rate_while_all_busy(answers)
 
 
 def main() -> None:
@@ -169,8 +176,10 @@ def main() -> None:
                 for workload in args.warm.split(","):  # weights paged in (and prompts cached)
                     asyncio.run(_run(server.url, workload, 1))
                 for workload, clients in cells:
-                    row[f"{workload} c={clients} {arm}"] = asyncio.run(
-                        _run(server.url, workload, clients))  # fmt: skip
+                    whole, busy = asyncio.run(_run(server.url, workload, clients))
+                    row[f"{workload} c={clients} {arm}"] = whole
+                    if busy is not None and clients > 1:
+                        row[f"{workload} c={clients} {arm}{ALL_BUSY}"] = busy
             finally:
                 server.stop()
         rounds.append(row)
@@ -178,18 +187,25 @@ def main() -> None:
     (out / "rounds.json").write_text(json.dumps(rounds, indent=1))
     kept = rounds[1:] if len(rounds) > 1 else rounds
     for workload, clients in cells:
-        base = f"{workload} c={clients} ferrum none"
         for arm in arms:
             if arm in failed:
                 print(f"{workload} c={clients} {arm}: did not start (see its log)")
                 continue
-            key = f"{workload} c={clients} {arm}"
-            s = Spread.of(row[key] for row in kept)
-            ratio = Spread.of(row[key] / row[base] for row in kept) if base in kept[0] else None
-            line = f"{key}: {s.median:.1f} tok/s [{s.lo:.1f}, {s.hi:.1f}]" if s else f"{key}: n/a"
-            if ratio:
-                line += f"  ×{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}] vs ferrum none"
-            print(line)
+            for metric in ("", ALL_BUSY) if clients > 1 else ("",):
+                key, base = f"{workload} c={clients} {arm}", f"{workload} c={clients} ferrum none"
+                print(_line(kept, key + metric, base + metric))
+
+
+def _line(kept: list[dict[str, float]], key: str, base: str) -> str:
+    """One arm's rate in one cell over the kept rounds, and its ratio per round to `base`."""
+    s = Spread.of(row.get(key) for row in kept)
+    if s is None:
+        return f"{key}: n/a"
+    line = f"{key}: {s.median:.1f} tok/s [{s.lo:.1f}, {s.hi:.1f}]"
+    ratio = Spread.of(row[key] / row[base] for row in kept if key in row and base in row)
+    if ratio:
+        line += f"  ×{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}] vs ferrum none"
+    return line
 
 
 if __name__ == "__main__":

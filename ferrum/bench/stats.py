@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 INCONCLUSIVE = "inconclusive"
@@ -70,3 +70,39 @@ def paired_ratio(ours: Mapping[int, float], theirs: Mapping[int, float]) -> Spre
     return Spread.of(
         ours[r] / theirs[r] for r in sorted(ours) if r in theirs and theirs[r] not in (0, None)
     )
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answered request of a closed-loop client: when it was sent, when its answer came
+    and how many tokens it held."""
+
+    sent: float
+    answered: float
+    tokens: int
+
+
+def rate_while_all_busy(clients: Sequence[Sequence[Answer]]) -> float | None:
+    """Output tokens per second while every client still had a request out: from the first
+    request sent to the first client's last answer. A client sends its next request when
+    its answer comes, so until then all of them are busy; after it, fewer are, and the
+    batch the server decodes is narrower than the concurrency the cell is named for.
+
+    How long that tail lasts depends on how evenly the clients' requests end (all of them
+    at once when every request runs to max_tokens one token a step; at different steps
+    when some requests gain more from speculation than others), so a rate over the whole
+    run mixes concurrencies. A request's tokens are counted as spread evenly over its time
+    (its prompt's share included), the part inside the window counting. None: no window."""
+    if not clients or not all(clients):
+        return None
+    start = min(a.sent for answers in clients for a in answers)
+    until = min(answers[-1].answered for answers in clients)
+    if until <= start:
+        return None
+    tokens = 0.0
+    for answers in clients:
+        for a in answers:
+            inside = min(a.answered, until) - max(a.sent, start)
+            if inside > 0:
+                tokens += a.tokens * inside / (a.answered - a.sent)
+    return tokens / (until - start)

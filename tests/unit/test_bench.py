@@ -11,7 +11,14 @@ from ferrum.bench.client import Dialect, Sample, request_body
 from ferrum.bench.engine_loop import parse_ceiling
 from ferrum.bench.report import markdown_table, summarize
 from ferrum.bench.settings import FULL, QUICK, estimate_seconds
-from ferrum.bench.stats import Spread, paired_ratio, percentile, verdict
+from ferrum.bench.stats import (
+    Answer,
+    Spread,
+    paired_ratio,
+    percentile,
+    rate_while_all_busy,
+    verdict,
+)
 
 
 def test_percentile_interpolates_between_ranks():
@@ -156,3 +163,18 @@ def test_llama_server_arms_run_their_own_builds(tmp_path, monkeypatch):
     assert Path(binaries["llama-server"]).parent.parent.name.startswith("build-")
     assert Path(binaries["llama-server-default"]).parent.parent.name.endswith("-default")
     assert binaries["llama-server"] != binaries["llama-server-default"]
+
+
+def test_rate_while_all_busy_counts_until_the_first_client_is_done():
+    # Client a: two requests of 100 tokens over 0-1 s and 1-2 s; client b: one of 300
+    # tokens over 0-3 s. Until 2 s both are busy: a's 200 tokens and two thirds of b's.
+    a = [Answer(0.0, 1.0, 100), Answer(1.0, 2.0, 100)]
+    b = [Answer(0.0, 3.0, 300)]
+    assert rate_while_all_busy([a, b]) == pytest.approx((200 + 200) / 2.0)
+    # The whole run's rate is lower: b decodes alone in its last second.
+    assert rate_while_all_busy([a, b]) > (200 + 300) / 3.0
+    # One client: its whole run.
+    assert rate_while_all_busy([a]) == pytest.approx(100.0)
+    # A client with no answer, or none at all: no window.
+    assert rate_while_all_busy([a, []]) is None
+    assert rate_while_all_busy([]) is None
