@@ -108,7 +108,11 @@ class EngineConfig:
     )
     spec_ngram_min: int = field(
         default=3,
-        metadata=_flag("--spec-ngram-min", help="shortest n-gram a guess may follow"),
+        metadata=_flag(
+            "--spec-ngram-min",
+            help="shortest n-gram a guess may follow where a guess costs half a token or more "
+            "(several requests decoding); where it costs less (one request), one token",
+        ),
     )
     spec_ngram_max: int = field(
         default=12,

@@ -16,7 +16,9 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
 
 The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
 `ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
-it, as many tokens as the match is longer than `ngram_min` (plus one). The same lookup runs
+it, as many tokens as the match is longer than `ngram_min` (plus one). Where a guess costs
+under half a token (one request decoding, on a CPU), matches down to one token count, so a
+request that departs from what it copies guesses again at once. The same lookup runs
 over the model's latest finished requests (`RecentSequences`: a regeneration or a retry
 repeats an earlier answer), and the longer of the two matches gives the guess. Lengths adapt per
 request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
@@ -48,6 +50,10 @@ _RATE_DECAY = 0.9  # per verification: how much of a request's older evidence st
 _PRIOR_TRIES = 4.0  # weight of the model-wide rate in a request's own (as guesses tried)
 _PROBE_EVERY = 16  # output tokens between single guesses while no guess pays (to re-measure)
 _REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
+# Where a guessed position costs under this share of a token (the bar below; one request
+# decoding on a CPU), guesses follow n-grams down to _CHEAP_NGRAM_MIN tokens, not ngram_min.
+_CHEAP_BAR = 0.5
+_CHEAP_NGRAM_MIN = 1
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,11 @@ class NgramDrafter:
     of the sequence.
     """
 
-    def __init__(self, ngram_min: int, ngram_max: int):
-        self._sizes = tuple(range(ngram_max, ngram_min - 1, -1))
+    def __init__(self, ngram_min: int, ngram_max: int, floor: int | None = None):
+        """Follows n-grams of ngram_max down to ngram_min tokens; a caller may ask for matches
+        down to `floor` (the tables hold those sizes too)."""
         self._min = ngram_min
+        self._sizes = tuple(range(ngram_max, min(ngram_min, floor or ngram_min) - 1, -1))
         self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
         self._indexed = 0  # n-grams ending before this position are in the tables
 
@@ -100,13 +108,18 @@ class NgramDrafter:
         return self.propose_matched(tokens, k)[1]
 
     def propose_matched(
-        self, tokens: Sequence[int], k: int, suffixes: Suffixes | None = None
+        self,
+        tokens: Sequence[int],
+        k: int,
+        suffixes: Suffixes | None = None,
+        shortest: int | None = None,
     ) -> Match:
         """The guess and the length of the n-gram it follows (0: none). `suffixes`: those of
-        `tokens`, when the caller already has them."""
+        `tokens`, when the caller already has them; `shortest`: see `follow`."""
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
-        found = self.follow(self.suffixes(tokens) if suffixes is None else suffixes, tokens, k)
+        suffixes = self.suffixes(tokens) if suffixes is None else suffixes
+        found = self.follow(suffixes, tokens, k, shortest)
         self._index(tokens, end)
         return found
 
@@ -119,15 +132,21 @@ class NgramDrafter:
         end = len(tokens)
         return [(n, tuple(tokens[end - n : end])) for n in self._sizes if end >= n]
 
-    def follow(self, suffixes: Suffixes, source: Sequence[int], k: int) -> Match:
+    def follow(
+        self, suffixes: Suffixes, source: Sequence[int], k: int, shortest: int | None = None
+    ) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
-        index), of the longest of `suffixes` that occurs there."""
+        index), of the longest of `suffixes` that occurs there, `shortest` tokens or more
+        (default: ngram_min; at least the floor)."""
+        least = self._min if shortest is None else max(shortest, self._sizes[-1])
         for n, key in suffixes:
+            if n < least:
+                break
             at = self._tables[n].get(key)
             if at is not None and at < len(source):
                 # As long a guess as the evidence: a match of the shortest n-gram guesses one
                 # token, each longer match one more.
-                return n, list(source[at : at + min(k, n - self._min + 1)])
+                return n, list(source[at : at + min(k, n - least + 1)])
         return _NO_MATCH
 
     def _index(self, tokens: Sequence[int], last: int) -> None:
@@ -158,16 +177,23 @@ class RecentSequences:
         while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
             self._tokens -= len(self._sequences.popleft()[0])
 
-    def propose(self, tokens: Sequence[int], k: int, suffixes: Suffixes | None = None) -> Match:
+    def propose(
+        self,
+        tokens: Sequence[int],
+        k: int,
+        suffixes: Suffixes | None = None,
+        shortest: int | None = None,
+    ) -> Match:
         """The continuation of the longest suffix match in any of them (the newest on a tie).
-        `suffixes`: those of `tokens`, when the caller already has them."""
+        `suffixes`: those of `tokens`, when the caller already has them; `shortest`: see
+        `NgramDrafter.follow`."""
         if not self._sequences:
             return _NO_MATCH
         if suffixes is None:  # every drafter here looks up the same sizes
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, k)
+            found = drafter.follow(suffixes, source, k, shortest)
             if found[0] > best[0] and found[1]:
                 best = found
         return best
@@ -223,7 +249,9 @@ class Speculator:
     tokens, so its rate follows what it writes."""
 
     config: SpecConfig
-    make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(c.ngram_min, c.ngram_max)
+    make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(
+        c.ngram_min, c.ngram_max, floor=_CHEAP_NGRAM_MIN
+    )
     drafted: int = 0
     accepted: int = 0
     tried: int = 0  # guesses sampled at (each kept one and the first refused), model-wide
@@ -245,13 +273,21 @@ class Speculator:
             # A fit without a fixed part (decodes of one size only) cannot weigh a guess.
             self._fit = fit if fit is not None and fit[0] > 0 and fit[1] > 0 else None
 
-    def paying(self, rate: float, decoding: int) -> int | None:
-        """How many guesses in a row pay for their positions at `rate` with `decoding`
-        requests in the step; None: the decode cost is not measured (no bound)."""
+    def bar(self, decoding: int) -> float | None:
+        """The chance of being kept at which a guess pays for its position with `decoding`
+        requests in the step (its cost over a token's share of the step); None: the decode
+        cost is not measured."""
         if self._fit is None:
             return None
         fixed, per_token = self._fit
-        bar = per_token * decoding / (fixed + per_token * decoding)
+        return per_token * decoding / (fixed + per_token * decoding)
+
+    def paying(self, rate: float, decoding: int) -> int | None:
+        """How many guesses in a row pay for their positions at `rate` with `decoding`
+        requests in the step; None: the decode cost is not measured (no bound)."""
+        bar = self.bar(decoding)
+        if bar is None:
+            return None
         k, chance = 0, rate
         while k < self.config.draft_max and chance > bar:
             k += 1
@@ -287,11 +323,17 @@ class Speculator:
         drafter = state.drafter
         if not isinstance(drafter, NgramDrafter):
             return drafter.propose(tokens, k)
+        # Where a guess costs little (one request decoding), a match of one token is worth
+        # following: right after the output departs from what it copies, it guesses again
+        # at the next token instead of ngram_min tokens later. Where the batch is wide, weak
+        # guesses would lower the request's rate and with it the strong ones the gate admits.
+        bar = self.bar(decoding)
+        shortest = _CHEAP_NGRAM_MIN if bar is not None and bar < _CHEAP_BAR else None
         # The longer match is the better evidence: a repeated request's own prompt may match
         # where its earlier answer, which it is repeating, matches longer.
         suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
-        own = drafter.propose_matched(tokens, k, suffixes)
-        other = self.recent.propose(tokens, k, suffixes)
+        own = drafter.propose_matched(tokens, k, suffixes, shortest)
+        other = self.recent.propose(tokens, k, suffixes, shortest)
         return other[1] if other[0] > own[0] else own[1]
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:

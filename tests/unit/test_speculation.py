@@ -105,6 +105,41 @@ def test_a_request_whose_guesses_do_not_pay_still_guesses_one_now_and_then():
     assert state.rate(0.5) > 0.8
 
 
+def test_where_a_guess_is_cheap_a_one_token_match_is_followed():
+    """One request decoding (bar 5/11, under half a token): a request that just departed
+    from its prompt guesses from its last token alone, as long as that match is (one token,
+    then more as the match grows). Two or more (bar 10/16 and up): only n-grams of
+    ngram_min or more."""
+    config = SpecConfig(ngram_min=3, ngram_max=6, draft_max=8)
+
+    def departed() -> Request:
+        # The prompt holds 7 8 9 10 11 12 once; the output departed (99), then wrote 9.
+        req = Request("r", [1, 2, 7, 8, 9, 10, 11, 12], sampling(max_tokens=500))
+        for token in (99, 9):
+            req.append_output(token)
+        return req
+
+    unmeasured = Speculator(config)
+    assert unmeasured.draft(departed(), 8, decoding=1) == []  # no cost known: ngram_min
+    wide = Speculator(config)
+    _measured(wide)
+    assert wide.bar(1) < 0.5 < wide.bar(2)
+    assert wide.draft(departed(), 8, decoding=2) == []
+    alone = Speculator(config)
+    _measured(alone)
+    req = departed()
+    assert alone.draft(req, 8, decoding=1) == [10]
+    req.append_output(10)  # kept: the two-token match 9 10 guesses two tokens
+    alone.verified(req, 1, 1)
+    assert alone.draft(req, 8, decoding=1) == [11, 12]
+    # A drafter asked for its ngram_min only follows that, whatever its floor holds.
+    assert NgramDrafter(3, 6, floor=1).propose([7, 8, 9, 5, 9], 4) == []
+    assert NgramDrafter(3, 6, floor=1).propose_matched([7, 8, 9, 5, 9], 4, shortest=1) == (
+        1,
+        [5],
+    )
+
+
 def _finished(tokens: list[int]) -> NgramDrafter:
     d = NgramDrafter(2, 4)
     d.index_all(tokens)  # every n-gram, as a finished request's drafter has
