@@ -191,8 +191,8 @@ def main() -> None:
             if arm in failed:
                 print(f"{workload} c={clients} {arm}: did not start (see its log)")
                 continue
+            key, base = f"{workload} c={clients} {arm}", f"{workload} c={clients} ferrum none"
             for metric in ("", ALL_BUSY) if clients > 1 else ("",):
-                key, base = f"{workload} c={clients} {arm}", f"{workload} c={clients} ferrum none"
                 print(_line(kept, key + metric, base + metric))
 
 

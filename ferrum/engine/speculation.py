@@ -286,8 +286,10 @@ class Speculator:
         """How many guesses in a row pay for their positions at `rate` with `decoding`
         requests in the step; None: the decode cost is not measured (no bound)."""
         bar = self.bar(decoding)
-        if bar is None:
-            return None
+        return None if bar is None else self._guesses_over(rate, bar)
+
+    def _guesses_over(self, rate: float, bar: float) -> int:
+        """How many guesses in a row each keep a chance over `bar` at `rate`."""
         k, chance = 0, rate
         while k < self.config.draft_max and chance > bar:
             k += 1
@@ -311,7 +313,9 @@ class Speculator:
             return []
         # Never draft past max_tokens: those positions could never be kept.
         k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
-        pays = self.paying(state.rate((self.accepted + 1) / (self.tried + 2)), decoding)
+        bar = self.bar(decoding)  # once: it decides both how many guesses and from what
+        rate = state.rate((self.accepted + 1) / (self.tried + 2))
+        pays = None if bar is None else self._guesses_over(rate, bar)
         if pays == 0 and req.num_output_tokens >= state.probe_at:
             pays = 1
             state.probe_at = req.num_output_tokens + _PROBE_EVERY
@@ -327,7 +331,6 @@ class Speculator:
         # following: right after the output departs from what it copies, it guesses again
         # at the next token instead of ngram_min tokens later. Where the batch is wide, weak
         # guesses would lower the request's rate and with it the strong ones the gate admits.
-        bar = self.bar(decoding)
         shortest = _CHEAP_NGRAM_MIN if bar is not None and bar < _CHEAP_BAR else None
         # The longer match is the better evidence: a repeated request's own prompt may match
         # where its earlier answer, which it is repeating, matches longer.
