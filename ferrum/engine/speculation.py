@@ -20,10 +20,12 @@ it, as many tokens as the match is longer than `ngram_min` (plus one). Where a g
 under half a token (one request decoding, on a CPU), matches down to one token count, so a
 request that departs from what it copies guesses again at once. The same lookup runs
 over the model's latest finished requests (`RecentSequences`: a regeneration or a retry
-repeats an earlier answer), and the longer of the two matches gives the guess. Lengths adapt per
-request (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks
-to what was accepted plus one otherwise, and a request whose drafts keep failing
-stops drafting for a while. A guess must also pay for its position: the decode cost
+repeats an earlier answer), and the longer of the two matches gives the guess; a match of
+`ngram_max` tokens is measured further back, so an answer regenerated from the same prompt
+follows its earlier run, not a few lines of its own prompt. Lengths adapt per request
+(`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks to what
+was accepted plus one otherwise, and a request whose drafts keep failing follows only
+matches longer than `ngram_min` for a while. A guess must also pay for its position: the decode cost
 measured so far, the number of requests decoding and the request's rate of kept guesses
 decide how many guesses in a row are worth it (`Speculator`), so where the batch is already
 wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
@@ -45,7 +47,7 @@ from ferrum.engine.request import Request
 from ferrum.engine.turns import DecodeCost
 
 _FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
-_PAUSE_TOKENS = 32  # tokens generated without drafting after that
+_PAUSE_TOKENS = 32  # tokens generated after that following long matches only
 _RATE_DECAY = 0.9  # per verification: how much of a request's older evidence still counts
 _PRIOR_TRIES = 4.0  # weight of the model-wide rate in a request's own (as guesses tried)
 _PROBE_EVERY = 16  # output tokens between single guesses while no guess pays (to re-measure)
@@ -54,6 +56,9 @@ _REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
 # decoding on a CPU), guesses follow n-grams down to _CHEAP_NGRAM_MIN tokens, not ngram_min.
 _CHEAP_BAR = 0.5
 _CHEAP_NGRAM_MIN = 1
+# A match of ngram_max tokens is measured back up to this many: a regenerated answer matches
+# its earlier run from the prompt's start, where its own prompt matches only a few lines.
+_MEASURE_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class NgramDrafter:
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
         suffixes = self.suffixes(tokens) if suffixes is None else suffixes
-        found = self.follow(suffixes, tokens, k, shortest)
+        found = self.follow(suffixes, tokens, k, shortest, tokens)
         self._index(tokens, end)
         return found
 
@@ -133,17 +138,25 @@ class NgramDrafter:
         return [(n, tuple(tokens[end - n : end])) for n in self._sizes if end >= n]
 
     def follow(
-        self, suffixes: Suffixes, source: Sequence[int], k: int, shortest: int | None = None
+        self,
+        suffixes: Suffixes,
+        source: Sequence[int],
+        k: int,
+        shortest: int | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
         index), of the longest of `suffixes` that occurs there, `shortest` tokens or more
-        (default: ngram_min; at least the floor)."""
+        (default: ngram_min; at least the floor). With `tokens` (the sequence the suffixes
+        end), a match of the longest n-gram is measured further back, up to _MEASURE_MAX."""
         least = self._min if shortest is None else max(shortest, self._sizes[-1])
         for n, key in suffixes:
             if n < least:
                 break
             at = self._tables[n].get(key)
             if at is not None and at < len(source):
+                if tokens is not None and n == self._sizes[0]:
+                    n = _run_length(source, at, tokens, n)
                 # As long a guess as the evidence: a match of the shortest n-gram guesses one
                 # token, each longer match one more.
                 return n, list(source[at : at + min(k, n - least + 1)])
@@ -156,6 +169,23 @@ class NgramDrafter:
                 if stop >= n:
                     table[tuple(tokens[stop - n : stop])] = stop
         self._indexed = max(self._indexed, last + 1)
+
+
+def _run_length(source: Sequence[int], at: int, tokens: Sequence[int], n: int) -> int:
+    """How many tokens before source[at] equal the last ones of `tokens`, knowing the last n
+    do: measured in doubling steps up to _MEASURE_MAX (a coarse length is enough to rank
+    matches, and slices compare at C speed)."""
+    end = len(tokens)
+    step = n
+    while n < _MEASURE_MAX:
+        step = min(step, _MEASURE_MAX - n, at - n, end - n)
+        if step <= 0:
+            return n
+        if list(source[at - n - step : at - n]) != list(tokens[end - n - step : end - n]):
+            return n
+        n += step
+        step *= 2
+    return n
 
 
 class RecentSequences:
@@ -193,7 +223,7 @@ class RecentSequences:
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, k, shortest)
+            found = drafter.follow(suffixes, source, k, shortest, tokens)
             if found[0] > best[0] and found[1]:
                 best = found
         return best
@@ -210,7 +240,7 @@ class DraftState:
     drafter: Drafter
     length: int
     fails: int = 0
-    paused_until: int = 0  # output length before which it does not draft
+    paused_until: int = 0  # output length before which only long matches are followed
     kept: float = 0.0  # guesses kept, older verifications counting less (_RATE_DECAY)
     tried: float = 0.0  # guesses sampled at: each kept one and the first refused
     probe_at: int = 0  # output length of the next single guess while none pays
@@ -309,14 +339,16 @@ class Speculator:
         if state is None:
             # Short first: a wrong guess costs a position; lengths double while guesses hold.
             state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), 2)
-        if req.num_output_tokens < state.paused_until:
+        drafter = state.drafter
+        paused = req.num_output_tokens < state.paused_until
+        if paused and not isinstance(drafter, NgramDrafter):
             return []
         # Never draft past max_tokens: those positions could never be kept.
         k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
         bar = self.bar(decoding)  # once: it decides both how many guesses and from what
         rate = state.rate((self.accepted + 1) / (self.tried + 2))
         pays = None if bar is None else self._guesses_over(rate, bar)
-        if pays == 0 and req.num_output_tokens >= state.probe_at:
+        if pays == 0 and not paused and req.num_output_tokens >= state.probe_at:
             pays = 1
             state.probe_at = req.num_output_tokens + _PROBE_EVERY
         if pays is not None:
@@ -324,7 +356,6 @@ class Speculator:
         if k <= 0:
             return []
         tokens = req.all_token_ids
-        drafter = state.drafter
         if not isinstance(drafter, NgramDrafter):
             return drafter.propose(tokens, k)
         # Where a guess costs little (one request decoding), a match of one token is worth
@@ -332,6 +363,10 @@ class Speculator:
         # at the next token instead of ngram_min tokens later. Where the batch is wide, weak
         # guesses would lower the request's rate and with it the strong ones the gate admits.
         shortest = _CHEAP_NGRAM_MIN if bar is not None and bar < _CHEAP_BAR else None
+        if paused:
+            # Its guesses kept failing: it departed from what it was following. For a while
+            # only a match longer than ngram_min counts, the sign it is copying again.
+            shortest = self.config.ngram_min + 1
         # The longer match is the better evidence: a repeated request's own prompt may match
         # where its earlier answer, which it is repeating, matches longer.
         suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up

@@ -57,6 +57,24 @@ def test_draft_lengths_adapt_and_pause_after_failures():
     assert state.paused_until > 20
 
 
+def test_a_request_whose_guesses_keep_failing_follows_only_long_matches_for_a_while():
+    spec = Speculator(SpecConfig(ngram_min=2, ngram_max=6, draft_max=8))
+    # The prompt holds "5 6 7 8 9" and "1 2"; the output has just written "1 2" then "5 6 7".
+    req = Request("r", [5, 6, 7, 8, 9, 40, 1, 2, 30, 41, 42, 43, 44], sampling(max_tokens=500))
+    assert spec.draft(req, 8) == []  # nothing to follow yet
+    for _ in range(4):
+        spec.verified(req, 2, 0)  # four drafts in a row refused: paused
+    req.append_output(1)
+    req.append_output(2)
+    assert spec.draft(req, 8) == []  # "1 2" is only ngram_min long
+    for token in (5, 6, 7):
+        req.append_output(token)
+    assert spec.draft(req, 8) == [8]  # "5 6 7" is longer: it is copying again
+    for token in [0] * 38 + [1, 2]:  # the pause over: ngram_min again ("1 2" last
+        req.append_output(token)  # went on with 5)
+    assert spec.draft(req, 8) == [5]
+
+
 def _measured(spec: Speculator, fixed: float = 0.006, per_token: float = 0.005) -> None:
     """Decodes of 1 to 9 positions timed as fixed + n x per_token (enough for a fit)."""
     for i in range(9):
@@ -183,6 +201,27 @@ def test_the_longer_match_guesses_whether_own_or_recent():
     assert spec.draft(Request("b", [4, 5, 8, 3, 4, 5], sampling(max_tokens=50)), 8) == [6, 7]
     # Own tokens match longer ("8 4 5" by 9): own wins.
     assert spec.draft(Request("c", [8, 4, 5, 9, 8, 4, 5], sampling(max_tokens=50)), 8) == [9, 8]
+
+
+def test_a_match_of_ngram_max_is_measured_back_so_a_regeneration_follows_its_answer():
+    """A prompt that holds "1 2 3 4" twice, asked again: its own tokens match that 4-gram
+    (ngram_max) at the prompt's start and no further back; the finished run of the same
+    prompt matches all 12 tokens, so its answer is the guess."""
+    prompt = [1, 2, 3, 4, 70, 50, 51, 52, 1, 2, 3, 4]
+    answer = [60, 61, 62]
+    own = NgramDrafter(2, 4)
+    assert own.propose_matched(prompt, 8) == (4, [70, 50, 51])
+    recent = RecentSequences()
+    recent.add(prompt + answer, _finished(prompt + answer))
+    assert recent.propose(prompt, 8) == (12, [60, 61, 62])  # 12 long: as many as there are
+    spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
+    spec.recent = recent
+    assert spec.draft(Request("again", prompt, sampling(max_tokens=50)), 8) == [60, 61]
+    # Measured in doubling steps: a run that breaks inside a step counts up to that step.
+    broken = [9, 8, 7, 1, 2, 3, 4, 5, 6, 8, 7, 1, 2, 3, 4]  # 6 long; the step of 3 breaks
+    assert NgramDrafter(2, 4).propose_matched(broken, 2) == (4, [5, 6])
+    long = list(range(100, 700))  # a run of 300: measured up to 256
+    assert NgramDrafter(2, 4).propose_matched(long + long[:300], 1) == (256, [400])
 
 
 def _repeat(recent: int) -> tuple[dict, dict, int]:
