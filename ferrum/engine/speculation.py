@@ -37,12 +37,12 @@ for sliding-window models (the window cache may recycle cells a rollback needs a
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ferrum.config import EngineConfig
+from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
 from ferrum.engine.turns import DecodeCost
 
@@ -56,9 +56,6 @@ _REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
 # decoding on a CPU), guesses follow n-grams down to _CHEAP_NGRAM_MIN tokens, not ngram_min.
 _CHEAP_BAR = 0.5
 _CHEAP_NGRAM_MIN = 1
-# A match of ngram_max tokens is measured back up to this many: a regenerated answer matches
-# its earlier run from the prompt's start, where its own prompt matches only a few lines.
-_MEASURE_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -86,150 +83,6 @@ class Drafter(Protocol):
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `tokens` (the request's prompt and output)."""
         ...
-
-
-Match = tuple[int, list[int]]  # (length of the n-gram matched, the tokens that followed it)
-Suffixes = list[tuple[int, tuple[int, ...]]]  # (n, a sequence's last n tokens), longest first
-_NO_MATCH: Match = (0, [])
-
-
-class NgramDrafter:
-    """Proposes what followed the latest earlier occurrence of the longest suffix n-gram.
-
-    Tables map each n-gram to the position after its latest occurrence; they are extended
-    with the tokens added since the last call, so a step costs what it adds, not the length
-    of the sequence.
-    """
-
-    def __init__(self, ngram_min: int, ngram_max: int, floor: int | None = None):
-        """Follows n-grams of ngram_max down to ngram_min tokens; a caller may ask for matches
-        down to `floor` (the tables hold those sizes too)."""
-        self._min = ngram_min
-        self._sizes = tuple(range(ngram_max, min(ngram_min, floor or ngram_min) - 1, -1))
-        self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
-        self._indexed = 0  # n-grams ending before this position are in the tables
-
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        return self.propose_matched(tokens, k)[1]
-
-    def propose_matched(
-        self,
-        tokens: Sequence[int],
-        k: int,
-        suffixes: Suffixes | None = None,
-        shortest: int | None = None,
-    ) -> Match:
-        """The guess and the length of the n-gram it follows (0: none). `suffixes`: those of
-        `tokens`, when the caller already has them; `shortest`: see `follow`."""
-        end = len(tokens)
-        self._index(tokens, end - 1)  # every n-gram but the suffix's own
-        suffixes = self.suffixes(tokens) if suffixes is None else suffixes
-        found = self.follow(suffixes, tokens, k, shortest, tokens)
-        self._index(tokens, end)
-        return found
-
-    def index_all(self, tokens: Sequence[int]) -> None:
-        """Every n-gram of `tokens` in the tables (a finished sequence, for others to follow)."""
-        self._index(tokens, len(tokens))
-
-    def suffixes(self, tokens: Sequence[int]) -> Suffixes:
-        """The last n tokens for each n looked up, longest first."""
-        end = len(tokens)
-        return [(n, tuple(tokens[end - n : end])) for n in self._sizes if end >= n]
-
-    def follow(
-        self,
-        suffixes: Suffixes,
-        source: Sequence[int],
-        k: int,
-        shortest: int | None = None,
-        tokens: Sequence[int] | None = None,
-    ) -> Match:
-        """What followed the latest earlier occurrence, in `source` (the tokens these tables
-        index), of the longest of `suffixes` that occurs there, `shortest` tokens or more
-        (default: ngram_min; at least the floor). With `tokens` (the sequence the suffixes
-        end), a match of the longest n-gram is measured further back, up to _MEASURE_MAX."""
-        least = self._min if shortest is None else max(shortest, self._sizes[-1])
-        for n, key in suffixes:
-            if n < least:
-                break
-            at = self._tables[n].get(key)
-            if at is not None and at < len(source):
-                if tokens is not None and n == self._sizes[0]:
-                    n = _run_length(source, at, tokens, n)
-                # As long a guess as the evidence: a match of the shortest n-gram guesses one
-                # token, each longer match one more.
-                return n, list(source[at : at + min(k, n - least + 1)])
-        return _NO_MATCH
-
-    def _index(self, tokens: Sequence[int], last: int) -> None:
-        """Adds the n-grams ending at positions up to `last` (exclusive ends)."""
-        for stop in range(max(self._indexed, 1), last + 1):
-            for n, table in self._tables.items():
-                if stop >= n:
-                    table[tuple(tokens[stop - n : stop])] = stop
-        self._indexed = max(self._indexed, last + 1)
-
-
-def _run_length(source: Sequence[int], at: int, tokens: Sequence[int], n: int) -> int:
-    """How many tokens before source[at] equal the last ones of `tokens`, knowing the last n
-    do: measured in doubling steps up to _MEASURE_MAX (a coarse length is enough to rank
-    matches, and slices compare at C speed)."""
-    end = len(tokens)
-    step = n
-    while n < _MEASURE_MAX:
-        step = min(step, _MEASURE_MAX - n, at - n, end - n)
-        if step <= 0:
-            return n
-        if list(source[at - n - step : at - n]) != list(tokens[end - n - step : end - n]):
-            return n
-        n += step
-        step *= 2
-    return n
-
-
-class RecentSequences:
-    """The n-grams of the model's latest finished requests (prompt and output), for a request
-    whose own tokens match less: a regenerated answer, an agent's retry, the same document
-    asked about again repeat an earlier sequence. Each keeps the tables its drafter built
-    while it ran; the oldest go first past `max_sequences` or `max_tokens` in all."""
-
-    def __init__(self, max_sequences: int = 8, max_tokens: int = 16_384):
-        self._max_sequences, self._max_tokens = max_sequences, max_tokens
-        self._sequences: deque[tuple[tuple[int, ...], NgramDrafter]] = deque()
-        self._tokens = 0
-
-    def add(self, tokens: Sequence[int], drafter: NgramDrafter) -> None:
-        if len(tokens) > self._max_tokens or self._max_sequences == 0:
-            return
-        self._sequences.append((tuple(tokens), drafter))
-        self._tokens += len(tokens)
-        while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
-            self._tokens -= len(self._sequences.popleft()[0])
-
-    def propose(
-        self,
-        tokens: Sequence[int],
-        k: int,
-        suffixes: Suffixes | None = None,
-        shortest: int | None = None,
-    ) -> Match:
-        """The continuation of the longest suffix match in any of them (the newest on a tie).
-        `suffixes`: those of `tokens`, when the caller already has them; `shortest`: see
-        `NgramDrafter.follow`."""
-        if not self._sequences:
-            return _NO_MATCH
-        if suffixes is None:  # every drafter here looks up the same sizes
-            suffixes = self._sequences[0][1].suffixes(tokens)
-        best = _NO_MATCH
-        for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, k, shortest, tokens)
-            if found[0] > best[0] and found[1]:
-                best = found
-        return best
-
-    def __len__(self) -> int:
-        return len(self._sequences)
 
 
 @dataclass

@@ -17,8 +17,9 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.ngram import NgramDrafter
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.speculation import NgramDrafter, SpecConfig, Speculator
+from ferrum.engine.speculation import SpecConfig, Speculator
 from tests.factories import run_to_completion, sampling
 
 PROMPTS = [

@@ -10,14 +10,9 @@ from collections.abc import Sequence
 import pytest
 
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.speculation import (
-    DraftState,
-    NgramDrafter,
-    RecentSequences,
-    SpecConfig,
-    Speculator,
-)
+from ferrum.engine.speculation import DraftState, SpecConfig, Speculator
 from tests.factories import (
     EOS,
     FakeRunner,
