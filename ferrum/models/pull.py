@@ -26,44 +26,28 @@ huggingface_hub finds itself ($HF_TOKEN, then the saved login).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
-import glob
-import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
-from urllib.parse import urlsplit
 
-import httpx2
-from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.file_download import http_get
-
-# Public, but exported lazily, which mypy cannot see.
-from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
+from huggingface_hub import HfApi
 
 from ferrum.errors import NotFound
 from ferrum.models.builtin import BUILTINS, builtin_path
-from ferrum.models.errors import (
-    HubAccessDenied,
-    InsufficientStorage,
-    InvalidModelFile,
-    NotOnHub,
-    PullError,
+from ferrum.models.download import (
+    Progress,
+    PullProgress,
+    check_space,
+    download,
+    hub_errors,
+    sha256_of,
 )
+from ferrum.models.errors import InsufficientStorage, InvalidModelFile, NotOnHub, PullError
 from ferrum.models.gguf_file import GGUFFacts, read_gguf
 from ferrum.models.reference import (
     GGUFModel,
@@ -78,23 +62,6 @@ from ferrum.models.reference import (
 from ferrum.models.store import Manifest, ModelStore
 
 __all__ = ["PullProgress", "adopt", "parse_reference", "pull"]
-
-_HASH_CHUNK = 2**20
-
-
-@dataclass(frozen=True)
-class PullProgress:
-    """One step of a pull, as Ollama's /api/pull streams them: "pulling manifest",
-    "using ...", "pulling FILE" (with byte counts, repeated), "verifying FILE",
-    "writing manifest", "success"."""
-
-    status: str
-    completed: int = 0  # bytes of `file` on disk
-    total: int = 0  # bytes of `file`; 0 when unknown
-    file: str = ""
-
-
-Progress = Callable[[PullProgress], None]
 
 
 def pull(
@@ -142,7 +109,7 @@ class _Plan:
 
 
 def _plan(reference: Reference, endpoint: str | None, token: str | None) -> _Plan:
-    with _hub_errors(reference.repo, endpoint):
+    with hub_errors(reference.repo, endpoint):
         info = HfApi(endpoint=endpoint).model_info(
             reference.repo, revision=reference.revision, files_metadata=True, token=token
         )
@@ -169,11 +136,11 @@ def _fetch(
     partial = store.partial_dir(name)
     model = plan.model
     try:
-        _check_space(store, partial, model)
+        check_space(store, partial, model)
         fetch = functools.partial(
-            _download, plan.repo, plan.commit, endpoint, token, partial, report
+            download, plan.repo, plan.commit, endpoint, token, partial, report
         )
-        with _hub_errors(plan.repo, endpoint):
+        with hub_errors(plan.repo, endpoint):
             parts = [fetch(f, plan.sha256.get(f)) for f in model.files]
         facts = _check_model(parts, model.files)
         return _install(store, name, plan.source, model, parts, facts, report)
@@ -232,92 +199,6 @@ def _current(store: ModelStore, name: str, source: str) -> Manifest | None:
     return manifest if manifest.source == source and whole else None
 
 
-def _check_space(store: ModelStore, partial: Path, model: GGUFModel) -> None:
-    have = sum(p.stat().st_size for p in partial.glob("*.part")) if partial.is_dir() else 0
-    need = model.size - have
-    free = shutil.disk_usage(store.root).free
-    if model.size and need > free:
-        raise InsufficientStorage(
-            f"not enough disk space in {store.root}: the model needs {need} more bytes, "
-            f"{free} are free"
-        )
-
-
-def _download(
-    repo: str,
-    commit: str,
-    endpoint: str | None,
-    token: str | None,
-    partial: Path,
-    report: Progress,
-    file: str,
-    sha256: str | None,
-) -> Path:
-    """Downloads one file into its part file, resuming what an earlier pull left."""
-    url = hf_hub_url(repo, file, revision=commit, endpoint=endpoint)
-    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
-    etag = (meta.etag or "noetag").replace("/", "_")
-    base = Path(file).name
-    partial.mkdir(parents=True, exist_ok=True)
-    part = partial / f"{base}.{etag}.part"
-    for stale in partial.glob(f"{glob.escape(base)}.*.part"):
-        if stale != part:  # the hub's file changed since: its bytes cannot be resumed
-            stale.unlink()
-    done = part.stat().st_size if part.exists() else 0
-    if meta.size is not None and done > meta.size:
-        part.unlink()
-        done = 0
-    headers = build_hf_headers(token=token)
-    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
-        headers.pop("authorization", None)  # a signed CDN address: the token stays on the hub
-    on_bytes = functools.partial(_report_bytes, report, base)
-    part.touch()
-    with open(part, "r+b") as f:
-        f.seek(done)
-        http_get(
-            meta.location,
-            f,
-            resume_size=done,
-            headers=headers,
-            expected_size=meta.size,
-            displayed_filename=base,
-            tqdm_class=cast(Any, functools.partial(_Bar, on_bytes)),
-        )
-    size = part.stat().st_size
-    on_bytes(size, meta.size or size)
-    if sha256 is None and len(meta.etag or "") == 64:
-        sha256 = meta.etag  # an LFS file's etag is its sha256
-    if sha256 is not None:
-        report(PullProgress(f"verifying {base}", size, size, base))
-        if _sha256(part) != sha256.lower():
-            part.unlink()
-            raise InvalidModelFile(f"{repo}/{file}: sha256 differs from the hub's")
-    return part
-
-
-def _report_bytes(report: Progress, base: str, completed: int, total: int) -> None:
-    report(PullProgress(f"pulling {base}", completed, total, base))
-
-
-class _Bar:
-    """Stands in for huggingface_hub's tqdm bar in `http_get`: forwards byte counts."""
-
-    def __init__(self, on_bytes: Callable[[int, int], None], **kwargs: Any):
-        self.on_bytes = on_bytes
-        self.n = int(kwargs.get("initial") or 0)
-        self.total = int(kwargs.get("total") or 0)
-
-    def __enter__(self) -> _Bar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: float | None = 1) -> None:
-        self.n += int(n or 0)
-        self.on_bytes(self.n, self.total)
-
-
 def _check_model(files: Sequence[Path], names: Sequence[str]) -> list[GGUFFacts]:
     """The facts of each file; `InvalidModelFile` unless they make one whole model."""
     facts = []
@@ -367,47 +248,10 @@ def _manifest(
         source=source,
         files=tuple(str(f) for f in files),
         size=sum(f.stat().st_size for f in files),
-        sha256=_sha256(files[0]),
+        sha256=sha256_of(files[0]),
         architecture=first.architecture,
         context_length=first.context_length,
         has_chat_template=first.has_chat_template,
         quant=quant or first.quant,
         added=time.time(),
     )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _hub_errors(repo: str, endpoint: str | None) -> Iterator[None]:
-    """Turns huggingface_hub's errors into ferrum's, each with a one-line message."""
-    hub = endpoint or "https://huggingface.co"
-    try:
-        yield
-    except GatedRepoError as exc:
-        raise HubAccessDenied(
-            f"{repo} is gated: accept its terms on the hub, then set HF_TOKEN to a token "
-            "of an account that has access"
-        ) from exc
-    except RepositoryNotFoundError as exc:
-        raise NotOnHub(
-            f"repository {repo!r} not found on {hub} (a private one needs HF_TOKEN)",
-            param="model",
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise NotOnHub(f"repository {repo!r} has no such revision", param="model") from exc
-    except EntryNotFoundError as exc:
-        raise NotOnHub(f"a file of {repo!r} vanished from the hub", param="model") from exc
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else 0
-        if status in (401, 403):
-            raise HubAccessDenied(f"{hub} refused access to {repo} ({status})") from exc
-        raise PullError(f"{hub} answered {status} for {repo}; try again later") from exc
-    except (httpx2.HTTPError, OfflineModeIsEnabled) as exc:
-        raise PullError(f"cannot reach {hub}: {type(exc).__name__}: {exc}") from exc

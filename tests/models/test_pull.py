@@ -13,6 +13,7 @@ import huggingface_hub
 import pytest
 
 from ferrum.errors import InvalidRequest, NotFound
+from ferrum.models import download as download_module
 from ferrum.models import pull as pull_module
 from ferrum.models.errors import (
     HubAccessDenied,
@@ -266,7 +267,7 @@ def test_a_full_disk(hub: FakeHub, store: ModelStore, monkeypatch: pytest.Monkey
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pull_module, "http_get", fill_disk)
+        mp.setattr(download_module, "http_get", fill_disk)
         with pytest.raises(InsufficientStorage, match="disk full") as exc:
             pull(store, LLAMA)
     assert exc.value.status == 507
