@@ -47,7 +47,7 @@ class NgramDrafter:
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
         suffixes = self.suffixes(tokens) if suffixes is None else suffixes
-        found = self.follow(suffixes, tokens, k, shortest, tokens)
+        found = self.follow(suffixes, tokens, tokens, k, shortest)
         self._index(tokens, end)
         return found
 
@@ -64,21 +64,21 @@ class NgramDrafter:
         self,
         suffixes: Suffixes,
         source: Sequence[int],
+        tokens: Sequence[int],
         k: int,
         shortest: int | None = None,
-        tokens: Sequence[int] | None = None,
     ) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
-        index), of the longest of `suffixes` that occurs there, `shortest` tokens or more
-        (default: ngram_min; at least the floor). With `tokens` (the sequence the suffixes
-        end), a match of the longest n-gram is measured further back, up to _MEASURE_MAX."""
+        index), of the longest of `suffixes` (those of `tokens`) that occurs there, `shortest`
+        tokens or more (default: ngram_min; at least the floor). A match of the longest
+        n-gram is measured further back, up to _MEASURE_MAX."""
         least = self._min if shortest is None else max(shortest, self._sizes[-1])
         for n, key in suffixes:
             if n < least:
                 break
             at = self._tables[n].get(key)
             if at is not None and at < len(source):
-                if tokens is not None and n == self._sizes[0]:
+                if n == self._sizes[0]:
                     n = _run_length(source, at, tokens, n)
                 # As long a guess as the evidence: a match of the shortest n-gram guesses one
                 # token, each longer match one more.
@@ -146,7 +146,7 @@ class RecentSequences:
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, k, shortest, tokens)
+            found = drafter.follow(suffixes, source, tokens, k, shortest)
             if found[0] > best[0] and found[1]:
                 best = found
         return best

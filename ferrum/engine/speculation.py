@@ -25,10 +25,10 @@ repeats an earlier answer), and the longer of the two matches gives the guess; a
 follows its earlier run, not a few lines of its own prompt. Lengths adapt per request
 (`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks to what
 was accepted plus one otherwise, and a request whose drafts keep failing follows only
-matches longer than `ngram_min` for a while. A guess must also pay for its position: the decode cost
-measured so far, the number of requests decoding and the request's rate of kept guesses
-decide how many guesses in a row are worth it (`Speculator`), so where the batch is already
-wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
+matches longer than `ngram_min` for a while. A guess must also pay for its position: the
+decode cost measured so far, the number of requests decoding and the request's rate of kept
+guesses decide how many guesses in a row are worth it (`Speculator`), so where the batch is
+already wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
 requests together.
 
 Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
