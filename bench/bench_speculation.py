@@ -7,8 +7,9 @@ from a request's own tokens only, not from earlier requests') and `--spec-type n
 either on `--alt-python` (arms ending in "alt", chosen by name only);
 `llama-server` built with ferrum's own kernel flags (bench/build_llama_server.sh) with
 `--spec-type none`, `ngram-simple` and `ngram-mod` (their default sizes), `-np 8 -c 8192`;
-and `llama-server default none`, llama-server built the way its users build it (cmake
-defaults, FLAVOR=default bench/build_llama_server.sh; chosen by name only).
+and `llama-server default none`, `default ngram-simple` and `default ngram-mod`,
+llama-server built the way its users build it (cmake defaults, FLAVOR=default
+bench/build_llama_server.sh; chosen by name only).
 ferrum runs without its disk tier (`--cache-disk 0`): like llama-server's, its prefix cache
 then starts empty with each server instead of holding the prompts of earlier rounds.
 
@@ -77,8 +78,14 @@ ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"], {}),
     # llama-server as its users build it: cmake defaults (-march=native).
     "llama-server default none": ("llama-server-default", [], {}),
+    "llama-server default ngram-simple": (
+        "llama-server-default",
+        ["--spec-type", "ngram-simple"],
+        {},
+    ),
+    "llama-server default ngram-mod": ("llama-server-default", ["--spec-type", "ngram-mod"], {}),
 }
-BY_NAME_ONLY = (" alt", " default none")
+BY_NAME_ONLY = (" alt", "llama-server default")  # arms with these in their names
 ALL_BUSY = ", all busy"  # the key suffix of a cell's rate while every client had a request out
 
 
@@ -150,7 +157,8 @@ def main() -> None:
                     help="workloads run once before the cells (copy: its prompt then cached)")
     ap.add_argument("--alt-python", default=sys.executable,
                     help="interpreter of the 'ferrum none alt' arm (another llama.cpp build)")
-    ap.add_argument("--arms", default=",".join(a for a in ARMS if not a.endswith(BY_NAME_ONLY)))
+    usual = [a for a in ARMS if not any(n in a for n in BY_NAME_ONLY)]
+    ap.add_argument("--arms", default=",".join(usual))
     ap.add_argument("--out", default="bench/results/speculation")
     args = ap.parse_args()
     global ALT_PYTHON
