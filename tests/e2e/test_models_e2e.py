@@ -67,7 +67,10 @@ def test_pull_then_two_clients_chat_with_different_models_then_they_unload(
     assert name in listed.stdout
 
     procs: list = []
-    flags = ("--models-dir", str(store), "--keep-alive", "4s")
+    # Long enough for the three answers and `ferrum ps` below on a slow host (4 s was not:
+    # on 2 Zen 3 cores the first model expired before ps listed it), short enough to watch
+    # every model unload.
+    flags = ("--models-dir", str(store), "--keep-alive", "15s")
     with running_server(tmp_path_factory, "ferrum-models", *flags, models=(), handle=procs) as url:
         pid = procs[0].pid
         rss_start = _rss_mib(pid)
@@ -95,7 +98,7 @@ def test_pull_then_two_clients_chat_with_different_models_then_they_unload(
         assert {m.model for m in oll.ps().models} >= {"gemma3-270m", name}
         rss_loaded = _rss_mib(pid)
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while oll.ps().models and time.monotonic() < deadline:
             time.sleep(0.5)
         assert oll.ps().models == []
