@@ -73,18 +73,16 @@ ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
     # ferrum on another interpreter (--alt-python: e.g. a venv with another llama.cpp build,
     # or a wrapper that puts an older tree on PYTHONPATH).
     "ferrum none alt": ("ferrum", ["--spec-type", "none"], {}),
-    "llama-server none": ("llama-server", [], {}),
-    "llama-server ngram-simple": ("llama-server", ["--spec-type", "ngram-simple"], {}),
-    "llama-server ngram-mod": ("llama-server", ["--spec-type", "ngram-mod"], {}),
-    # llama-server as its users build it: cmake defaults (-march=native).
-    "llama-server default none": ("llama-server-default", [], {}),
-    "llama-server default ngram-simple": (
-        "llama-server-default",
-        ["--spec-type", "ngram-simple"],
-        {},
-    ),
-    "llama-server default ngram-mod": ("llama-server-default", ["--spec-type", "ngram-mod"], {}),
 }
+# llama-server without speculation and with its n-gram modes (their default sizes), built
+# with ferrum's kernel flags ("llama-server ...") and as its users build it, cmake defaults
+# with -march=native ("llama-server default ...").
+LLAMA_SERVER_MODES = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"],
+                      "ngram-mod": ["--spec-type", "ngram-mod"]}  # fmt: skip
+for _kind, _name in (("llama-server", "llama-server"),
+                     ("llama-server-default", "llama-server default")):  # fmt: skip
+    for _mode, _flags in LLAMA_SERVER_MODES.items():
+        ARMS[f"{_name} {_mode}"] = (_kind, _flags, {})
 BY_NAME_ONLY = (" alt", "llama-server default")  # arms with these in their names
 ALL_BUSY = ", all busy"  # the key suffix of a cell's rate while every client had a request out
 
