@@ -107,11 +107,11 @@ class EngineConfig:
         metadata=_flag("--spec-draft-max", help="most tokens guessed for a request per step"),
     )
     spec_ngram_min: int = field(
-        default=3,
+        default=1,
         metadata=_flag(
             "--spec-ngram-min",
-            help="shortest n-gram a guess may follow where a guess costs half a token or more "
-            "(several requests decoding); where it costs less (one request), one token",
+            help="shortest n-gram a guess may follow (how often guesses after matches of each "
+            "length turn out right decides how many of their tokens go in)",
         ),
     )
     spec_ngram_max: int = field(
