@@ -52,10 +52,12 @@ from ferrum.engine.turns import DecodeCost
 
 # The classes of match length a guess's chances are learned for (the shortest of each):
 # evidence is pooled within a class, so classes widen where matches are rarer.
-_MATCH_CLASSES = (1, 2, 3, 4, 5, 8, 12, 24)
+_MATCH_CLASSES = (1, 2, 3, 4, 5, 8, 12, 24, 48)
 _OTHER = len(_MATCH_CLASSES)  # guesses from a drafter that reports no match length
 _DECAY = 0.98  # per checked guess of a class: how much older evidence still counts
 _PRIOR_KEPT, _PRIOR_TRIED = 1.0, 2.0  # before any evidence, each token of a guess: even odds
+_OWN_DECAY = 0.9  # the same, for a request's own record
+_OWN_PRIOR = 4.0  # weight of the model's chance in a request's own (as guesses compared)
 _SIZE_SAMPLES = 16  # latest timed decodes kept per size
 _SIZE_MIN_SAMPLES = 3  # before that many, a size is priced by the line through all sizes
 _REFIT_EVERY = 8  # timed decodes between two fits of that line
@@ -93,13 +95,19 @@ class Drafter(Protocol):
 
 class KeptChances:
     """How often the j-th token of a guess was right, per class of the length of the match
-    the guess followed (older evidence decaying, so a server that turns from copying code to
-    writing stories follows)."""
+    the guess followed, older evidence counting `decay` less per guess compared.
 
-    def __init__(self, depth: int):
+    The model keeps one (decaying slowly, so a server that turns from copying code to
+    writing stories follows); each request one of its own (decaying fast), drawn towards the
+    model's: a request copying a document keeps more of its guesses than the same matches
+    in a story would, and its own record says so within a few guesses."""
+
+    def __init__(self, depth: int, decay: float = _DECAY):
         classes = len(_MATCH_CLASSES) + 1
         self._kept = [[0.0] * depth for _ in range(classes)]
         self._tried = [[0.0] * depth for _ in range(classes)]
+        self._decay = decay
+        self.depth = depth
 
     @staticmethod
     def of_match(length: int | None) -> int:
@@ -113,15 +121,19 @@ class KeptChances:
         `compared` right (right < compared: the next one was wrong)."""
         kept, tried = self._kept[cls], self._tried[cls]
         for j in range(min(right + 1, compared, len(tried))):
-            tried[j] = tried[j] * _DECAY + 1
-            kept[j] = kept[j] * _DECAY + (j < right)
+            tried[j] = tried[j] * self._decay + 1
+            kept[j] = kept[j] * self._decay + (j < right)
 
-    def chances(self, cls: int, k: int) -> list[float]:
-        """The chance that the first 1, 2, … k tokens of a guess of class `cls` are all kept."""
+    def chances(self, cls: int, k: int, own: KeptChances | None = None) -> list[float]:
+        """The chance that the first 1, 2, … k tokens of a guess of class `cls` are all kept:
+        these counts, or a request's `own` counts with these as its prior."""
         kept, tried = self._kept[cls], self._tried[cls]
         out, chance = [], 1.0
         for j in range(min(k, len(tried))):
-            chance *= (kept[j] + _PRIOR_KEPT) / (tried[j] + _PRIOR_TRIED)
+            held = (kept[j] + _PRIOR_KEPT) / (tried[j] + _PRIOR_TRIED)
+            if own is not None:
+                held = (own._kept[cls][j] + _OWN_PRIOR * held) / (own._tried[cls][j] + _OWN_PRIOR)
+            chance *= held
             out.append(chance)
         return out
 
@@ -163,6 +175,16 @@ class DecodeSizes:
 
 
 @dataclass
+class _Tracked:
+    """A request's drafter, its guesses not yet compared in full (class, tokens, its output
+    length then) and its own record."""
+
+    drafter: Drafter
+    own: KeptChances
+    open: list[tuple[int, list[int], int]] = field(default_factory=list)
+
+
+@dataclass
 class _Guess:
     request: Request
     tokens: list[int]
@@ -181,9 +203,7 @@ class Speculator:
     sizes: DecodeSizes = field(default_factory=DecodeSizes)
     kept: KeptChances = field(init=False)
     recent: RecentSequences = field(init=False)
-    _drafters: dict[str, Drafter] = field(default_factory=dict)
-    # Per request, its guesses not yet compared in full: (class, tokens, output length then).
-    _open: dict[str, list[tuple[int, list[int], int]]] = field(default_factory=dict)
+    _tracked: dict[str, _Tracked] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kept = KeptChances(max(1, self.config.draft_max))
@@ -229,15 +249,17 @@ class Speculator:
     def _guess(self, req: Request) -> _Guess | None:
         if not self.wants(req):
             return None
-        self._compare(req)
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None:
+            tracked = self._tracked[req.request_id] = _Tracked(
+                self.make_drafter(self.config), KeptChances(self.kept.depth, _OWN_DECAY)
+            )
+        self._compare(req, tracked)
         # Never guess past max_tokens: those positions could never be kept.
         k = min(self.config.draft_max, req.params.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
             return None
-        drafter = self._drafters.get(req.request_id)
-        if drafter is None:
-            drafter = self._drafters[req.request_id] = self.make_drafter(self.config)
-        tokens = req.all_token_ids
+        drafter, tokens = tracked.drafter, req.all_token_ids
         if isinstance(drafter, NgramDrafter):
             # The longer match is the better evidence: a repeated request's own prompt may
             # match where its earlier answer, which it is repeating, matches longer.
@@ -250,35 +272,32 @@ class Speculator:
             guess, cls = drafter.propose(tokens, k)[:k], _OTHER
         if not guess:
             return None
-        self._open.setdefault(req.request_id, []).append((cls, guess, req.num_output_tokens))
-        return _Guess(req, guess, self.kept.chances(cls, len(guess)))
+        tracked.open.append((cls, guess, req.num_output_tokens))
+        return _Guess(req, guess, self.kept.chances(cls, len(guess), tracked.own))
 
-    def _compare(self, req: Request) -> None:
+    def _compare(self, req: Request, tracked: _Tracked) -> None:
         """The request's earlier guesses against the tokens it wrote since: each compared in
         full, or wrong somewhere, goes into the chances of its class."""
-        pending = self._open.get(req.request_id)
-        if not pending:
-            return
         output = req.output_token_ids
         still: list[tuple[int, list[int], int]] = []
-        for cls, guess, at in pending:
+        for cls, guess, at in tracked.open:
             written = output[at : at + len(guess)]
             right = 0
             while right < len(written) and written[right] == guess[right]:
                 right += 1
             if right < len(written) or len(written) == len(guess):
                 self.kept.record(cls, right, len(written))
+                tracked.own.record(cls, right, len(written))
             else:
                 still.append((cls, guess, at))
-        self._open[req.request_id] = still
+        tracked.open = still
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
 
     def forget(self, req: Request) -> None:
-        self._open.pop(req.request_id, None)
-        drafter = self._drafters.pop(req.request_id, None)
-        if isinstance(drafter, NgramDrafter):
-            drafter.index_all(req.all_token_ids)
-            self.recent.add(req.all_token_ids, drafter)
+        tracked = self._tracked.pop(req.request_id, None)
+        if tracked is not None and isinstance(tracked.drafter, NgramDrafter):
+            tracked.drafter.index_all(req.all_token_ids)
+            self.recent.add(req.all_token_ids, tracked.drafter)

@@ -59,6 +59,19 @@ def test_chances_are_learned_per_class_of_match_length():
     assert after[0] > before[0] and after[2] / after[1] == before[2] / before[1]
 
 
+def test_a_requests_own_record_moves_its_chances_away_from_the_models():
+    """Across the server, guesses after matches of this class held one token (prose); this
+    request's all held (it is copying): its chances follow its own record."""
+    model = KeptChances(4)
+    for _ in range(60):
+        model.record(3, 1, 2)
+    own = KeptChances(4, decay=0.9)
+    assert model.chances(3, 2, own) == model.chances(3, 2)  # no record of its own yet
+    for _ in range(20):
+        own.record(3, 4, 4)
+    assert model.chances(3, 2)[1] < 0.1 < 0.6 < model.chances(3, 2, own)[1]
+
+
 # What a decode of n positions took on 2 Zen 3 cores (ms): a second position costs 75% of
 # a first; tiles make 3 positions cost nearly 4, and 7 nearly 8.
 ZEN3_MS = {1: 17.6, 2: 30.9, 3: 43.8, 4: 46.2, 5: 55.9, 6: 61.5, 7: 76.8, 8: 77.2, 9: 92.3}
