@@ -126,16 +126,23 @@ class KeptChances:
 
     def chances(self, cls: int, k: int, own: KeptChances | None = None) -> list[float]:
         """The chance that the first 1, 2, … k tokens of a guess of class `cls` are all kept:
-        these counts, or a request's `own` counts with these as its prior."""
-        kept, tried = self._kept[cls], self._tried[cls]
+        these counts, or a request's `own` counts with these as its prior. Where evidence is
+        thin, a token is taken to hold as often as the one before it did (the first token,
+        as often as after a shorter match): once a copy holds, it tends to go on holding."""
+        prior = 0.5
+        for shorter in range(cls if cls != _OTHER else 0):
+            prior = self._held(shorter, 0, prior)
         out, chance = [], 1.0
-        for j in range(min(k, len(tried))):
-            held = (kept[j] + _PRIOR_KEPT) / (tried[j] + _PRIOR_TRIED)
+        for j in range(min(k, self.depth)):
+            held = prior = self._held(cls, j, prior)
             if own is not None:
-                held = (own._kept[cls][j] + _OWN_PRIOR * held) / (own._tried[cls][j] + _OWN_PRIOR)
+                held = own._held(cls, j, held, _OWN_PRIOR)
             chance *= held
             out.append(chance)
         return out
+
+    def _held(self, cls: int, j: int, prior: float, weight: float = _PRIOR_TRIED) -> float:
+        return (self._kept[cls][j] + weight * prior) / (self._tried[cls][j] + weight)
 
 
 class DecodeSizes:

@@ -52,11 +52,15 @@ def test_chances_are_learned_per_class_of_match_length():
     assert KeptChances.of_match(30) == KeptChances.of_match(24) != KeptChances.of_match(12)
     assert KeptChances.of_match(None) not in {KeptChances.of_match(n) for n in range(1, 99)}
     # Compared in part (the request wrote two tokens so far, both right): no verdict on the
-    # third yet, so its chance stays where it was.
+    # third yet. Without evidence of its own, a token holds as often as the one before it.
     before = kept.chances(2, 3)
     kept.record(2, 2, 2)
     after = kept.chances(2, 3)
-    assert after[0] > before[0] and after[2] / after[1] == before[2] / before[1]
+    assert after[0] > before[0]
+    assert after[2] / after[1] == pytest.approx(after[1] / after[0])
+    # A class without evidence starts where the class of shorter matches stands.
+    assert kept.chances(1, 1) == pytest.approx(kept.chances(0, 1))
+    assert kept.chances(KeptChances.of_match(48), 1)[0] > 0.9  # above 24+, never seen
 
 
 def test_a_requests_own_record_moves_its_chances_away_from_the_models():
