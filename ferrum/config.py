@@ -107,11 +107,11 @@ class EngineConfig:
         metadata=_flag("--spec-draft-max", help="most tokens guessed for a request per step"),
     )
     spec_ngram_min: int = field(
-        default=1,
+        default=3,
         metadata=_flag(
             "--spec-ngram-min",
-            help="shortest n-gram a guess may follow (how often guesses after matches of each "
-            "length turn out right decides how many of their tokens go in)",
+            help="shortest n-gram a guess may follow where a guess costs half a token or more "
+            "(several requests decoding); where it costs less (one request), one token",
         ),
     )
     spec_ngram_max: int = field(

@@ -24,9 +24,11 @@ class NgramDrafter:
     of the sequence.
     """
 
-    def __init__(self, ngram_min: int, ngram_max: int):
-        """Follows n-grams of ngram_max down to ngram_min tokens."""
-        self._sizes = tuple(range(ngram_max, ngram_min - 1, -1))
+    def __init__(self, ngram_min: int, ngram_max: int, floor: int | None = None):
+        """Follows n-grams of ngram_max down to ngram_min tokens; a caller may ask for matches
+        down to `floor` (the tables hold those sizes too)."""
+        self._min = ngram_min
+        self._sizes = tuple(range(ngram_max, min(ngram_min, floor or ngram_min) - 1, -1))
         self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self._sizes}
         self._indexed = 0  # n-grams ending before this position are in the tables
 
@@ -38,13 +40,14 @@ class NgramDrafter:
         tokens: Sequence[int],
         k: int,
         suffixes: Suffixes | None = None,
+        shortest: int | None = None,
     ) -> Match:
         """The guess and the length of the n-gram it follows (0: none). `suffixes`: those of
-        `tokens`, when the caller already has them."""
+        `tokens`, when the caller already has them; `shortest`: see `follow`."""
         end = len(tokens)
         self._index(tokens, end - 1)  # every n-gram but the suffix's own
         suffixes = self.suffixes(tokens) if suffixes is None else suffixes
-        found = self.follow(suffixes, tokens, tokens, k)
+        found = self.follow(suffixes, tokens, tokens, k, shortest)
         self._index(tokens, end)
         return found
 
@@ -63,17 +66,23 @@ class NgramDrafter:
         source: Sequence[int],
         tokens: Sequence[int],
         k: int,
+        shortest: int | None = None,
     ) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
-        index), of the longest of `suffixes` (those of `tokens`) that occurs there, up to k
-        tokens. A match of the longest n-gram is measured further back, up to _MEASURE_MAX:
-        how long a match is tells how far a guess is likely to hold (`speculation.py`)."""
+        index), of the longest of `suffixes` (those of `tokens`) that occurs there, `shortest`
+        tokens or more (default: ngram_min; at least the floor). A match of the longest
+        n-gram is measured further back, up to _MEASURE_MAX."""
+        least = self._min if shortest is None else max(shortest, self._sizes[-1])
         for n, key in suffixes:
+            if n < least:
+                break
             at = self._tables[n].get(key)
             if at is not None and at < len(source):
                 if n == self._sizes[0]:
                     n = _run_length(source, at, tokens, n)
-                return n, list(source[at : at + k])
+                # As long a guess as the evidence: a match of the shortest n-gram guesses one
+                # token, each longer match one more.
+                return n, list(source[at : at + min(k, n - least + 1)])
         return _NO_MATCH
 
     def _index(self, tokens: Sequence[int], last: int) -> None:
@@ -126,16 +135,18 @@ class RecentSequences:
         tokens: Sequence[int],
         k: int,
         suffixes: Suffixes | None = None,
+        shortest: int | None = None,
     ) -> Match:
         """The continuation of the longest suffix match in any of them (the newest on a tie).
-        `suffixes`: those of `tokens`, when the caller already has them."""
+        `suffixes`: those of `tokens`, when the caller already has them; `shortest`: see
+        `NgramDrafter.follow`."""
         if not self._sequences:
             return _NO_MATCH
         if suffixes is None:  # every drafter here looks up the same sizes
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, tokens, k)
+            found = drafter.follow(suffixes, source, tokens, k, shortest)
             if found[0] > best[0] and found[1]:
                 best = found
         return best

@@ -27,7 +27,6 @@ running donor steps aside (without blocking those behind it) until the donor is 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ferrum.engine.kv import IntegrityError
@@ -130,8 +129,8 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         spec = self.speculator
-        # Guesses after every decode's own token: the speculator weighs them all at once.
-        drafts = spec.plan(decoding, budget - len(decoding)) if spec else {}
+        # Draft tokens per decode this step: batch_max shared by every decoding request.
+        share = spec.config.batch_max // max(1, len(decoding)) if spec else 0
         for req in decoding:
             if budget == 0:
                 break
@@ -139,13 +138,16 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if not self._grow_or_preempt(req, out):
                 continue  # req itself was preempted
-            draft = self._draft(req, drafts.get(req.request_id, ())[: budget - 1])
+            draft = self._draft(req, min(share, budget - 1), len(decoding))
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, draft))
             budget -= 1 + len(draft)
         return budget
 
-    def _draft(self, req: Request, draft: Sequence[int]) -> tuple[int, ...]:
+    def _draft(self, req: Request, room: int, decoding: int) -> tuple[int, ...]:
         """req's draft, on blocks already free: a guess never evicts or preempts anything."""
+        if self.speculator is None or room <= 0:
+            return ()
+        draft = self.speculator.draft(req, room, decoding)
         if draft and not self.blocks.grow(req.page_table, req.num_tokens + len(draft)):
             return ()
         return tuple(draft)

@@ -14,23 +14,22 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
     sampled     t1    t2  t3                   t1 = d1, t2 = d2, t3 ≠ d3: 3 tokens
     KV kept     last  d1  d2 | d3 d4 removed   the next step decodes t3
 
-The guess (`NgramDrafter`) is what followed the longest recent earlier occurrence (n from
-`ngram_max` down to `ngram_min`) of the sequence's last n tokens, in its own tokens or in the
-model's latest finished requests (`RecentSequences`: a regeneration or a retry repeats an
-earlier answer), the longer match winning. How much of it goes in is priced, per step:
-
-- How likely each token of a guess is to be kept depends most on how long the match it
-  follows is: a one-token match in a story is right ~1 time in 5, a match of 24 tokens in
-  code being copied 19 in 20 and for many tokens on. `KeptChances` learns, per class of
-  match length, how often the j-th token of a guess held, from every guess made, drafted
-  or not: each is checked against the tokens the request then wrote.
-- What a decode of n positions costs is measured (`DecodeSizes`): on a CPU not a straight
-  line (tiles make 3 positions cost nearly 4, and 7 nearly 8) and a first guess may cost
-  half a token or three quarters of one, depending on the machine.
-- Each step takes the guessed tokens most likely to be kept first, over all decoding
-  requests, as many as make the step's expected tokens per second highest. One request
-  decoding on a CPU drafts long runs when copying and nothing where its guesses fail; a
-  wide batch, whose positions are already paid for, drafts only its likeliest guesses.
+The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
+`ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
+it, as many tokens as the match is longer than `ngram_min` (plus one). Where a guess costs
+under half a token (one request decoding, on a CPU), matches down to one token count, so a
+request that departs from what it copies guesses again at once. The same lookup runs
+over the model's latest finished requests (`RecentSequences`: a regeneration or a retry
+repeats an earlier answer), and the longer of the two matches gives the guess; a match of
+`ngram_max` tokens is measured further back, so an answer regenerated from the same prompt
+follows its earlier run, not a few lines of its own prompt. Lengths adapt per request
+(`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks to what
+was accepted plus one otherwise, and a request whose drafts keep failing follows only
+matches longer than `ngram_min` for a while. A guess must also pay for its position: the
+decode cost measured so far, the number of requests decoding and the request's rate of kept
+guesses decide how many guesses in a row are worth it (`Speculator`), so where the batch is
+already wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
+requests together.
 
 Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
 for sliding-window models (the window cache may recycle cells a rollback needs again).
@@ -38,9 +37,6 @@ for sliding-window models (the window cache may recycle cells a rollback needs a
 
 from __future__ import annotations
 
-import bisect
-import statistics
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,20 +46,16 @@ from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
 from ferrum.engine.turns import DecodeCost
 
-# The classes of match length a guess's chances are learned for (the shortest of each):
-# evidence is pooled within a class, so classes widen where matches are rarer.
-_MATCH_CLASSES = (1, 2, 3, 4, 5, 8, 12, 24, 48)
-_OTHER = len(_MATCH_CLASSES)  # guesses from a drafter that reports no match length
-_DECAY = 0.98  # per checked guess of a class: how much older evidence still counts
-_PRIOR_KEPT, _PRIOR_TRIED = 1.0, 2.0  # before any evidence, each token of a guess: even odds
-_OWN_DECAY = 0.9  # the same, for a request's own record
-_OWN_PRIOR = 4.0  # weight of the model's chance in a request's own (as guesses compared)
-_SIZE_SAMPLES = 16  # latest timed decodes kept per size
-_SIZE_MIN_SAMPLES = 3  # before that many, a size is priced by the line through all sizes
-_REFIT_EVERY = 8  # timed decodes between two fits of that line
-# Before any wider decode is timed, a position more is priced at this share of a one-position
-# decode: low enough that wider sizes get tried, and so timed.
-_UNTIMED_POSITION = 0.5
+_FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
+_PAUSE_TOKENS = 32  # tokens generated after that following long matches only
+_RATE_DECAY = 0.9  # per verification: how much of a request's older evidence still counts
+_PRIOR_TRIES = 4.0  # weight of the model-wide rate in a request's own (as guesses tried)
+_PROBE_EVERY = 16  # output tokens between single guesses while no guess pays (to re-measure)
+_REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
+# Where a guessed position costs under this share of a token (the bar below; one request
+# decoding on a CPU), guesses follow n-grams down to _CHEAP_NGRAM_MIN tokens, not ngram_min.
+_CHEAP_BAR = 0.5
+_CHEAP_NGRAM_MIN = 1
 
 
 @dataclass(frozen=True)
@@ -72,7 +64,7 @@ class SpecConfig:
 
     kind: str = "ngram"  # "ngram" or "none"
     draft_max: int = 8
-    ngram_min: int = 1
+    ngram_min: int = 3
     ngram_max: int = 12
     batch_max: int = 16  # draft tokens of all requests in one step
     recent: int = 8  # finished requests kept to guess from (RecentSequences)
@@ -93,218 +85,158 @@ class Drafter(Protocol):
         ...
 
 
-class KeptChances:
-    """How often the j-th token of a guess was right, per class of the length of the match
-    the guess followed, older evidence counting `decay` less per guess compared.
-
-    The model keeps one (decaying slowly, so a server that turns from copying code to
-    writing stories follows); each request one of its own (decaying fast), drawn towards the
-    model's: a request copying a document keeps more of its guesses than the same matches
-    in a story would, and its own record says so within a few guesses."""
-
-    def __init__(self, depth: int, decay: float = _DECAY):
-        classes = len(_MATCH_CLASSES) + 1
-        self._kept = [[0.0] * depth for _ in range(classes)]
-        self._tried = [[0.0] * depth for _ in range(classes)]
-        self._decay = decay
-        self.depth = depth
-
-    @staticmethod
-    def of_match(length: int | None) -> int:
-        """The class of a guess following a match of `length` tokens (None: not known)."""
-        if length is None:
-            return _OTHER
-        return max(0, bisect.bisect_right(_MATCH_CLASSES, length) - 1)
-
-    def record(self, cls: int, right: int, compared: int) -> None:
-        """A guess of class `cls` compared with what was written: its first `right` tokens of
-        `compared` right (right < compared: the next one was wrong)."""
-        kept, tried = self._kept[cls], self._tried[cls]
-        for j in range(min(right + 1, compared, len(tried))):
-            tried[j] = tried[j] * self._decay + 1
-            kept[j] = kept[j] * self._decay + (j < right)
-
-    def chances(self, cls: int, k: int, own: KeptChances | None = None) -> list[float]:
-        """The chance that the first 1, 2, … k tokens of a guess of class `cls` are all kept:
-        these counts, or a request's `own` counts with these as its prior. Where evidence is
-        thin, a token is taken to hold as often as the one before it did (the first token,
-        as often as after a shorter match): once a copy holds, it tends to go on holding."""
-        prior = 0.5
-        for shorter in range(cls if cls != _OTHER else 0):
-            prior = self._held(shorter, 0, prior)
-        out, chance = [], 1.0
-        for j in range(min(k, self.depth)):
-            held = prior = self._held(cls, j, prior)
-            if own is not None:
-                held = own._held(cls, j, held, _OWN_PRIOR)
-            chance *= held
-            out.append(chance)
-        return out
-
-    def _held(self, cls: int, j: int, prior: float, weight: float = _PRIOR_TRIED) -> float:
-        return (self._kept[cls][j] + weight * prior) / (self._tried[cls][j] + weight)
-
-
-class DecodeSizes:
-    """What a decode of n positions without prefill costs: the median of its latest timings;
-    a size timed fewer than _SIZE_MIN_SAMPLES times, the line fitted through all timings
-    (`DecodeCost`); while that line has no fixed part (one size timed), a one-position decode
-    and _UNTIMED_POSITION of one per position more."""
-
-    def __init__(self) -> None:
-        self._line = DecodeCost()
-        self._fit: tuple[float, float] | None = None
-        self._timed = 0
-        self._by_size: dict[int, deque[float]] = {}
-        self._median: dict[int, float] = {}
-
-    def add(self, positions: int, seconds: float) -> None:
-        samples = self._by_size.setdefault(positions, deque(maxlen=_SIZE_SAMPLES))
-        samples.append(seconds)
-        if len(samples) >= _SIZE_MIN_SAMPLES:
-            self._median[positions] = statistics.median(samples)
-        self._line.add(positions, seconds)
-        self._timed += 1
-        if self._timed % _REFIT_EVERY == 1:
-            fit = self._line.fit()
-            self._fit = fit if fit is not None and fit[0] > 0 and fit[1] > 0 else None
-
-    def seconds(self, positions: int) -> float | None:
-        """None: not known (nothing timed yet)."""
-        measured = self._median.get(positions)
-        if measured is not None:
-            return measured
-        if self._fit is not None:
-            fixed, per_token = self._fit
-            return fixed + per_token * positions
-        one = self._median.get(1)
-        return None if one is None else one * (1 + _UNTIMED_POSITION * (positions - 1))
-
-
 @dataclass
-class _Tracked:
-    """A request's drafter, its guesses not yet compared in full (class, tokens, its output
-    length then) and its own record."""
+class DraftState:
+    """One request's drafter, how long its drafts currently are, and how often its guesses
+    are kept."""
 
     drafter: Drafter
-    own: KeptChances
-    open: list[tuple[int, list[int], int]] = field(default_factory=list)
+    length: int
+    fails: int = 0
+    paused_until: int = 0  # output length before which only long matches are followed
+    kept: float = 0.0  # guesses kept, older verifications counting less (_RATE_DECAY)
+    tried: float = 0.0  # guesses sampled at: each kept one and the first refused
+    probe_at: int = 0  # output length of the next single guess while none pays
 
+    def rate(self, prior: float) -> float:
+        """The chance that its next guess is kept, given the previous one was: its own
+        recent record, starting from `prior` (the model's)."""
+        return (self.kept + prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
 
-@dataclass
-class _Guess:
-    request: Request
-    tokens: list[int]
-    chances: list[float]  # of its first 1, 2, … tokens all being kept
+    def update(self, drafted: int, accepted: int, draft_max: int, num_output: int) -> None:
+        self.kept = self.kept * _RATE_DECAY + accepted
+        self.tried = self.tried * _RATE_DECAY + accepted + (accepted < drafted)
+        if accepted == drafted:
+            self.length = min(draft_max, self.length * 2)
+            self.fails = 0
+            return
+        self.length = max(1, accepted + 1)
+        self.fails = 0 if accepted else self.fails + 1
+        if self.fails >= _FAILS_BEFORE_PAUSE:
+            self.fails = 0
+            self.paused_until = num_output + _PAUSE_TOKENS
 
 
 @dataclass
 class Speculator:
-    """Drafts for the scheduler (`plan`), decode timings and verification results from the
-    engine, and the totals."""
+    """Drafts for the scheduler, verification results from the engine, and the totals.
+
+    A guess pays only when it is likely enough to be kept. A decode of n positions takes
+    about fixed + n x per_token seconds (`DecodeCost`, fitted to the decodes without
+    prefill); with `decoding` requests in the step, each output token costs
+    (fixed + decoding x per_token) / decoding, and a request's j-th guess adds per_token
+    for a token kept with chance rate**j. So it drafts the guesses whose chance beats
+    per_token / that cost: on 2 CPU cores, a position costs about half a one-stream step, so
+    one stream drafts at rates over ~0.5 and 4 streams only over ~0.8, where the batch is
+    already wide. While no guess pays, a request still guesses one token every _PROBE_EVERY
+    tokens, so its rate follows what it writes."""
 
     config: SpecConfig
-    make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(c.ngram_min, c.ngram_max)
+    make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(
+        c.ngram_min, c.ngram_max, floor=_CHEAP_NGRAM_MIN
+    )
     drafted: int = 0
     accepted: int = 0
-    sizes: DecodeSizes = field(default_factory=DecodeSizes)
-    kept: KeptChances = field(init=False)
+    tried: int = 0  # guesses sampled at (each kept one and the first refused), model-wide
+    cost: DecodeCost = field(default_factory=DecodeCost)
+    _states: dict[str, DraftState] = field(default_factory=dict)
     recent: RecentSequences = field(init=False)
-    _tracked: dict[str, _Tracked] = field(default_factory=dict)
+    _fit: tuple[float, float] | None = None
+    _timed: int = 0
 
     def __post_init__(self) -> None:
-        self.kept = KeptChances(max(1, self.config.draft_max))
         self.recent = RecentSequences(max_sequences=self.config.recent)
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A decode without prefill: `tokens` positions in `seconds`."""
-        self.sizes.add(tokens, seconds)
+        self.cost.add(tokens, seconds)
+        self._timed += 1
+        if self._timed % _REFIT_EVERY == 1:
+            fit = self.cost.fit()
+            # A fit without a fixed part (decodes of one size only) cannot weigh a guess.
+            self._fit = fit if fit is not None and fit[0] > 0 and fit[1] > 0 else None
+
+    def bar(self, decoding: int) -> float | None:
+        """The chance of being kept at which a guess pays for its position with `decoding`
+        requests in the step (its cost over a token's share of the step); None: the decode
+        cost is not measured."""
+        if self._fit is None:
+            return None
+        fixed, per_token = self._fit
+        return per_token * decoding / (fixed + per_token * decoding)
+
+    def paying(self, rate: float, decoding: int) -> int | None:
+        """How many guesses in a row pay for their positions at `rate` with `decoding`
+        requests in the step; None: the decode cost is not measured (no bound)."""
+        bar = self.bar(decoding)
+        return None if bar is None else self._guesses_over(rate, bar)
+
+    def _guesses_over(self, rate: float, bar: float) -> int:
+        """How many guesses in a row each keep a chance over `bar` at `rate`."""
+        k, chance = 0, rate
+        while k < self.config.draft_max and chance > bar:
+            k += 1
+            chance *= rate
+        return k
 
     def wants(self, req: Request) -> bool:
         setting = req.params.speculate
         return self.config.enabled if setting is None else setting and self.config.draft_max > 0
 
-    def plan(self, decoding: Sequence[Request], room: int) -> dict[str, list[int]]:
-        """The step's drafts (request id -> tokens) for the requests decoding one token each,
-        `room` draft tokens at most in all: the guessed tokens likeliest to be kept first, as
-        many as make the step's expected tokens per second highest."""
-        guesses = [g for req in decoding if (g := self._guess(req)) is not None]
-        ranked = sorted(
-            ((chance, j, i) for i, g in enumerate(guesses) for j, chance in enumerate(g.chances)),
-            key=lambda t: (-t[0], t[1]),
-        )  # a guess's chances fall with j: each request's tokens are taken in order
-        ranked = ranked[: max(0, min(room, self.config.batch_max))]
-        taken = self._worth(len(decoding), [chance for chance, _, _ in ranked])
-        counts = Counter(i for _, _, i in ranked[:taken])
-        return {guesses[i].request.request_id: guesses[i].tokens[:n] for i, n in counts.items()}
-
-    def _worth(self, decoding: int, chances: list[float]) -> int:
-        """How many guessed tokens (each one's chance of being kept, likeliest first) make the
-        expected tokens per second of a step of `decoding` one-token decodes highest; all of
-        them while no decode was timed."""
-        alone = self.sizes.seconds(decoding)
-        if alone is None:
-            return len(chances)
-        best, best_rate, expected = 0, decoding / alone, float(decoding)
-        for n, chance in enumerate(chances, 1):
-            expected += chance
-            seconds = self.sizes.seconds(decoding + n)
-            if seconds is not None and seconds > 0 and expected / seconds > best_rate:
-                best, best_rate = n, expected / seconds
-        return best
-
-    def _guess(self, req: Request) -> _Guess | None:
-        if not self.wants(req):
-            return None
-        tracked = self._tracked.get(req.request_id)
-        if tracked is None:
-            tracked = self._tracked[req.request_id] = _Tracked(
-                self.make_drafter(self.config), KeptChances(self.kept.depth, _OWN_DECAY)
-            )
-        self._compare(req, tracked)
-        # Never guess past max_tokens: those positions could never be kept.
-        k = min(self.config.draft_max, req.params.max_tokens - req.num_output_tokens - 1)
+    def draft(self, req: Request, room: int, decoding: int = 1) -> list[int]:
+        """Up to `room` draft tokens for req's next step (none when it should not draft),
+        `decoding` requests decoding in it."""
+        if room <= 0 or not self.wants(req):
+            return []
+        state = self._states.get(req.request_id)
+        if state is None:
+            # Short first: a wrong guess costs a position; lengths double while guesses hold.
+            state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), 2)
+        drafter = state.drafter
+        paused = req.num_output_tokens < state.paused_until
+        if paused and not isinstance(drafter, NgramDrafter):
+            return []
+        # Never draft past max_tokens: those positions could never be kept.
+        k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
+        bar = self.bar(decoding)  # once: it decides both how many guesses and from what
+        rate = state.rate((self.accepted + 1) / (self.tried + 2))
+        pays = None if bar is None else self._guesses_over(rate, bar)
+        if pays == 0 and not paused and req.num_output_tokens >= state.probe_at:
+            pays = 1
+            state.probe_at = req.num_output_tokens + _PROBE_EVERY
+        if pays is not None:
+            k = min(k, pays)
         if k <= 0:
-            return None
-        drafter, tokens = tracked.drafter, req.all_token_ids
-        if isinstance(drafter, NgramDrafter):
-            # The longer match is the better evidence: a repeated request's own prompt may
-            # match where its earlier answer, which it is repeating, matches longer.
-            suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
-            own = drafter.propose_matched(tokens, k, suffixes)
-            other = self.recent.propose(tokens, k, suffixes)
-            length, guess = other if other[0] > own[0] else own
-            cls = KeptChances.of_match(length)
-        else:
-            guess, cls = drafter.propose(tokens, k)[:k], _OTHER
-        if not guess:
-            return None
-        tracked.open.append((cls, guess, req.num_output_tokens))
-        return _Guess(req, guess, self.kept.chances(cls, len(guess), tracked.own))
-
-    def _compare(self, req: Request, tracked: _Tracked) -> None:
-        """The request's earlier guesses against the tokens it wrote since: each compared in
-        full, or wrong somewhere, goes into the chances of its class."""
-        output = req.output_token_ids
-        still: list[tuple[int, list[int], int]] = []
-        for cls, guess, at in tracked.open:
-            written = output[at : at + len(guess)]
-            right = 0
-            while right < len(written) and written[right] == guess[right]:
-                right += 1
-            if right < len(written) or len(written) == len(guess):
-                self.kept.record(cls, right, len(written))
-                tracked.own.record(cls, right, len(written))
-            else:
-                still.append((cls, guess, at))
-        tracked.open = still
+            return []
+        tokens = req.all_token_ids
+        if not isinstance(drafter, NgramDrafter):
+            return drafter.propose(tokens, k)
+        # Where a guess costs little (one request decoding), a match of one token is worth
+        # following: right after the output departs from what it copies, it guesses again
+        # at the next token instead of ngram_min tokens later. Where the batch is wide, weak
+        # guesses would lower the request's rate and with it the strong ones the gate admits.
+        shortest = _CHEAP_NGRAM_MIN if bar is not None and bar < _CHEAP_BAR else None
+        if paused:
+            # Its guesses kept failing: it departed from what it was following. For a while
+            # only a match longer than ngram_min counts, the sign it is copying again.
+            shortest = self.config.ngram_min + 1
+        # The longer match is the better evidence: a repeated request's own prompt may match
+        # where its earlier answer, which it is repeating, matches longer.
+        suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
+        own = drafter.propose_matched(tokens, k, suffixes, shortest)
+        other = self.recent.propose(tokens, k, suffixes, shortest)
+        return other[1] if other[0] > own[0] else own[1]
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
+        self.tried += accepted + (accepted < drafted)
+        state = self._states.get(req.request_id)
+        if state is not None:
+            state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)
 
     def forget(self, req: Request) -> None:
-        tracked = self._tracked.pop(req.request_id, None)
-        if tracked is not None and isinstance(tracked.drafter, NgramDrafter):
-            tracked.drafter.index_all(req.all_token_ids)
-            self.recent.add(req.all_token_ids, tracked.drafter)
+        state = self._states.pop(req.request_id, None)
+        if state is not None and isinstance(state.drafter, NgramDrafter):
+            state.drafter.index_all(req.all_token_ids)
+            self.recent.add(req.all_token_ids, state.drafter)

@@ -319,11 +319,12 @@ TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
 class NgramEngineMachine(SpeculatingEngineMachine):
     """The same traffic with the real n-gram drafter: guesses from each request's own tokens
     and from the requests finished before it (the traffic repeats earlier prompts and
-    conversations), right or wrong as they come, as many as the step's pricing takes."""
+    conversations), right or wrong as they come, each only where it pays for its position."""
 
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
-        # Decodes timed as 2 CPU cores time them: which guesses go in is priced (Speculator.plan),
-        # from the chances learned on this same random traffic.
+        # Decodes timed as 2 CPU cores time them: the guesses must also pay (Speculator.paying).
+        # ngram_min 2: a request decoding alone (bar 5/11, under half a token) also follows
+        # one-token matches, others only two or more, so both rules meet random traffic.
         runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6),
                             decode_cost=(0.006, 0.005))  # fmt: skip
         spec = SpecConfig(draft_max=4, batch_max=8, ngram_min=2, ngram_max=4)

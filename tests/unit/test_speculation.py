@@ -12,7 +12,7 @@ import pytest
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.speculation import KeptChances, SpecConfig, Speculator
+from ferrum.engine.speculation import DraftState, SpecConfig, Speculator
 from tests.factories import (
     EOS,
     FakeRunner,
@@ -27,140 +27,130 @@ def test_the_drafter_follows_the_latest_longest_match():
     d = NgramDrafter(2, 4)
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
-    # "1 2 3" last occurred at 4..6, followed by 8 5 1 2 3
-    assert d.propose_matched(tokens, 3) == (3, [8, 5, 1])
-    # "1 2 3 8" (a 4-gram) occurred at 4..7
-    assert d.propose_matched(tokens + [8], 5) == (4, [5, 1, 2, 3, 8])
+    # "1 2 3" last occurred at 4..6, followed by 8 5 1; a 3-gram match guesses 2 tokens
+    assert d.propose(tokens, 3) == [8, 5]
+    # "1 2 3 8" (a 4-gram) occurred at 4..7: three tokens, however many are asked for
+    assert d.propose(tokens + [8], 5) == [5, 1, 2]
     assert d.propose(tokens + [8, 5], 1) == [1]
     assert NgramDrafter(2, 4).propose([1, 2, 3, 4], 3) == []  # no earlier occurrence
     # The suffix never matches itself, even after tables grew from a longer sequence.
     d2 = NgramDrafter(2, 2)
     assert d2.propose([7, 7], 4) == []
     assert d2.propose([7, 7, 7], 4) == [7]  # "7 7" at 0..1 was followed by one 7
-    assert NgramDrafter(3, 6).propose([7, 8, 9, 5, 9], 4) == []  # shorter than ngram_min
-    assert NgramDrafter(1, 6).propose_matched([7, 8, 9, 5, 9], 4) == (1, [5, 9])
 
 
-def test_chances_are_learned_per_class_of_match_length():
-    kept = KeptChances(4)
-    assert kept.chances(0, 3) == [0.5, 0.25, 0.125]  # no evidence: even odds a token
-    for _ in range(60):
-        kept.record(0, 0, 1)  # one-token matches: the first token wrong
-        kept.record(KeptChances.of_match(30), 4, 4)  # long matches: all four right
-    assert kept.chances(0, 1)[0] < 0.05
-    assert kept.chances(KeptChances.of_match(24), 4)[-1] > 0.85
-    assert KeptChances.of_match(30) == KeptChances.of_match(24) != KeptChances.of_match(12)
-    assert KeptChances.of_match(None) not in {KeptChances.of_match(n) for n in range(1, 99)}
-    # Compared in part (the request wrote two tokens so far, both right): no verdict on the
-    # third yet. Without evidence of its own, a token holds as often as the one before it.
-    before = kept.chances(2, 3)
-    kept.record(2, 2, 2)
-    after = kept.chances(2, 3)
-    assert after[0] > before[0]
-    assert after[2] / after[1] == pytest.approx(after[1] / after[0])
-    # A class without evidence starts where the class of shorter matches stands.
-    assert kept.chances(1, 1) == pytest.approx(kept.chances(0, 1))
-    assert kept.chances(KeptChances.of_match(48), 1)[0] > 0.9  # above 24+, never seen
+def test_draft_lengths_adapt_and_pause_after_failures():
+    state = DraftState(NgramDrafter(2, 3), length=2)
+    state.update(drafted=2, accepted=2, draft_max=8, num_output=10)
+    assert state.length == 4  # doubles while guesses hold
+    state.update(drafted=4, accepted=4, draft_max=5, num_output=10)
+    assert state.length == 5  # up to draft_max
+    state.update(drafted=5, accepted=1, draft_max=8, num_output=12)
+    assert state.length == 2
+    for _ in range(4):
+        state.update(drafted=2, accepted=0, draft_max=8, num_output=20)
+    assert state.paused_until > 20
 
 
-def test_a_requests_own_record_moves_its_chances_away_from_the_models():
-    """Across the server, guesses after matches of this class held one token (prose); this
-    request's all held (it is copying): its chances follow its own record."""
-    model = KeptChances(4)
-    for _ in range(60):
-        model.record(3, 1, 2)
-    own = KeptChances(4, decay=0.9)
-    assert model.chances(3, 2, own) == model.chances(3, 2)  # no record of its own yet
-    for _ in range(20):
-        own.record(3, 4, 4)
-    assert model.chances(3, 2)[1] < 0.1 < 0.6 < model.chances(3, 2, own)[1]
+def test_a_request_whose_guesses_keep_failing_follows_only_long_matches_for_a_while():
+    spec = Speculator(SpecConfig(ngram_min=2, ngram_max=6, draft_max=8))
+    # The prompt holds "5 6 7 8 9" and "1 2"; the output has just written "1 2" then "5 6 7".
+    req = Request("r", [5, 6, 7, 8, 9, 40, 1, 2, 30, 41, 42, 43, 44], sampling(max_tokens=500))
+    assert spec.draft(req, 8) == []  # nothing to follow yet
+    for _ in range(4):
+        spec.verified(req, 2, 0)  # four drafts in a row refused: paused
+    req.append_output(1)
+    req.append_output(2)
+    assert spec.draft(req, 8) == []  # "1 2" is only ngram_min long
+    for token in (5, 6, 7):
+        req.append_output(token)
+    assert spec.draft(req, 8) == [8]  # "5 6 7" is longer: it is copying again
+    for token in [0] * 38 + [1, 2]:  # the pause over: ngram_min again ("1 2" last
+        req.append_output(token)  # went on with 5)
+    assert spec.draft(req, 8) == [5]
 
 
-# What a decode of n positions took on 2 Zen 3 cores (ms): a second position costs 75% of
-# a first; tiles make 3 positions cost nearly 4, and 7 nearly 8.
-ZEN3_MS = {1: 17.6, 2: 30.9, 3: 43.8, 4: 46.2, 5: 55.9, 6: 61.5, 7: 76.8, 8: 77.2, 9: 92.3}
+def _measured(spec: Speculator, fixed: float = 0.006, per_token: float = 0.005) -> None:
+    """Decodes of 1 to 9 positions timed as fixed + n x per_token (enough for a fit)."""
+    for i in range(9):
+        spec.timed(1 + i, fixed + per_token * (1 + i))
 
 
-def _timed(spec: Speculator, table: dict[int, float]) -> None:
-    for _ in range(3):
-        for positions, ms in table.items():
-            spec.timed(positions, ms / 1000)
-
-
-def test_a_step_takes_the_guesses_that_make_its_tokens_per_second_highest():
-    """A lone request's j-th token kept with chance rate**j; each size priced as timed."""
+def test_a_guess_goes_in_only_where_its_chance_pays_for_its_position():
+    """A position costs per_token; a step of `decoding` requests yields one token each for
+    fixed + decoding x per_token. The j-th guess, kept with chance rate**j, pays while that
+    chance beats per_token x decoding / (fixed + decoding x per_token)."""
     spec = Speculator(SpecConfig(draft_max=8))
-    chances = {rate: [rate**j for j in range(1, 9)] for rate in (0.7, 0.8, 0.9, 0.95)}
-    assert spec._worth(1, chances[0.7]) == 8  # nothing timed: every guess goes in
-    _timed(spec, ZEN3_MS)
-    assert spec.sizes.seconds(2) == pytest.approx(0.0309)
-    assert spec._worth(1, chances[0.7]) == 0  # 1.7 tokens in 30.9 ms < 1 in 17.6
-    assert spec._worth(1, chances[0.8]) == 3  # 4 positions cost little more than 3
-    assert spec._worth(1, chances[0.9]) == 5
-    assert spec._worth(1, chances[0.95]) == 7  # 8 positions, not 9 (15 ms more)
-    # A wide batch (a straight line: 6 ms + 5 a position) already pays for its positions:
-    # only its likeliest guesses go in.
-    wide = Speculator(SpecConfig())
-    _timed(wide, {n: 6 + 5 * n for n in range(1, 30)})
+    assert spec.paying(0.5, 8) is None  # nothing measured: no bound
+    _measured(spec)
+    # One stream: bar 5/11. Four: 20/26. Eight: 40/46.
+    assert spec.paying(0.99, 1) == 8  # up to draft_max
+    assert spec.paying(0.8, 1) == 3  # 0.8**3 = 0.51 > 0.45 > 0.8**4
+    assert spec.paying(0.8, 4) == 1  # 0.8 > 0.77 > 0.64
+    assert spec.paying(0.8, 8) == 0
+    assert spec.paying(0.95, 8) == 2  # 0.95**2 = 0.90 > 0.87 > 0.86
+    assert spec.paying(0.3, 1) == 0
     for rate in (0.5, 0.7, 0.9, 0.97):
-        counts = [wide._worth(d, [rate**j for j in range(1, 9)]) for d in (1, 2, 4, 8)]
-        assert counts == sorted(counts, reverse=True)
-    assert wide._worth(8, [0.97**j for j in range(1, 9)]) == 3
-
-
-def test_before_wider_decodes_are_timed_a_position_is_priced_at_half_a_decode():
-    spec = Speculator(SpecConfig())
-    assert spec.sizes.seconds(3) is None
+        counts = [spec.paying(rate, d) for d in (1, 2, 4, 8, 16)]
+        assert counts == sorted(counts, reverse=True)  # wider batches: fewer guesses
+    flat = Speculator(SpecConfig())
     for _ in range(9):
-        spec.timed(1, 0.02)  # one size only: the line has no fixed part
-    assert spec.sizes.seconds(1) == pytest.approx(0.02)
-    assert spec.sizes.seconds(3) == pytest.approx(0.04)
-    assert spec._worth(1, [0.6]) == 1  # 1.6 tokens for 1.5 decodes: wider sizes get timed
+        flat.timed(4, 0.02)  # one size only: no fixed part to weigh a guess against
+    assert flat.paying(0.5, 4) is None
 
 
-def _copying(rid: str, max_tokens: int = 500) -> Request:
-    """A request whose prompt holds 0 … 39 twice: it has just begun writing it a third time."""
-    return Request(rid, list(range(40)) * 2 + [0, 1, 2, 3], sampling(max_tokens=max_tokens))
-
-
-def test_guesses_that_were_not_drafted_still_teach_their_chances():
-    """A guess too unlikely to go in is still compared with what the request then writes: a
-    request that keeps writing what its guesses said soon drafts them."""
-    spec = Speculator(SpecConfig(draft_max=4))
-    _timed(spec, ZEN3_MS)  # even odds do not pay here
-    req = _copying("r")
-    drafts = []
+def test_a_request_whose_guesses_do_not_pay_still_guesses_one_now_and_then():
+    spec = Speculator(SpecConfig(ngram_min=1, ngram_max=2, draft_max=8))
+    _measured(spec)
+    req = Request("r", [5] * 30, sampling(max_tokens=500))  # every guess right: 5 follows 5
+    assert spec.draft(req, 8, decoding=1) == [5]  # the prior rate (0.5) pays one guess
+    spec.verified(req, 2, 0)  # refused: its rate falls, and one guess no longer pays at 8
+    spec.verified(req, 1, 0)
+    sizes = []
+    for _ in range(2 * 16):
+        req.append_output(5)
+        sizes.append(len(spec.draft(req, 8, decoding=8)))
+    assert sizes.count(1) == 2 and set(sizes) == {0, 1}  # a probe every 16 tokens
+    state = spec._states["r"]
+    assert state.rate(0.5) < 0.5
     for _ in range(30):
-        drafted = spec.plan([req], 16).get("r", [])
-        drafts.append(len(drafted))
-        req.append_output((req.all_token_ids[-1] + 1) % 40)  # it goes on copying
-    assert drafts[0] == 0 and drafts[-1] == 4
-    assert spec.drafted == 0  # nothing verified: the chances came from comparing alone
+        spec.verified(req, 1, 1)  # the probes are kept: the rate climbs back
+    assert state.rate(0.5) > 0.8
 
 
-def test_a_step_ranks_guesses_across_requests_and_keeps_each_in_order():
-    spec = Speculator(SpecConfig(draft_max=4, batch_max=16))
-    spec.kept = KeptChances(4)
-    for _ in range(60):
-        spec.kept.record(KeptChances.of_match(24), 4, 4)  # long matches hold
-        spec.kept.record(KeptChances.of_match(1), 0, 1)  # one-token ones do not
+def test_where_a_guess_is_cheap_a_one_token_match_is_followed():
+    """One request decoding (bar 5/11, under half a token): a request that just departed
+    from its prompt guesses from its last token alone, as long as that match is (one token,
+    then more as the match grows). Two or more (bar 10/16 and up): only n-grams of
+    ngram_min or more."""
+    config = SpecConfig(ngram_min=3, ngram_max=6, draft_max=8)
 
-    def step(room: int) -> dict[str, list[int]]:  # two fresh requests
-        for req in requests:
-            spec.forget(req)
-        return spec.plan(requests, room)
+    def departed() -> Request:
+        # The prompt holds 7 8 9 10 11 12 once; the output departed (99), then wrote 9.
+        req = Request("r", [1, 2, 7, 8, 9, 10, 11, 12], sampling(max_tokens=500))
+        for token in (99, 9):
+            req.append_output(token)
+        return req
 
-    weak = Request("weak", [5, 6, 7, 5], sampling(max_tokens=500))  # a one-token match
-    requests = [weak, _copying("strong")]
-
-    assert step(16) == {"strong": [4, 5, 6, 7], "weak": [6, 7, 5]}  # nothing timed: all
-    assert step(5) == {"strong": [4, 5, 6, 7], "weak": [6]}  # the likeliest first
-    _timed(spec, ZEN3_MS)
-    assert step(16) == {"strong": [4, 5, 6, 7]}
-    capped = _copying("capped", max_tokens=3)  # never guessed past max_tokens
-    assert spec.plan([capped], 16) == {"capped": [4, 5]}
-    off = Request("off", _copying("x").prompt_token_ids, sampling(speculate=False))
-    assert spec.plan([off], 16) == {}
+    unmeasured = Speculator(config)
+    assert unmeasured.draft(departed(), 8, decoding=1) == []  # no cost known: ngram_min
+    wide = Speculator(config)
+    _measured(wide)
+    assert wide.bar(1) < 0.5 < wide.bar(2)
+    assert wide.draft(departed(), 8, decoding=2) == []
+    alone = Speculator(config)
+    _measured(alone)
+    req = departed()
+    assert alone.draft(req, 8, decoding=1) == [10]
+    req.append_output(10)  # kept: the two-token match 9 10 guesses two tokens
+    alone.verified(req, 1, 1)
+    assert alone.draft(req, 8, decoding=1) == [11, 12]
+    # A drafter asked for its ngram_min only follows that, whatever its floor holds.
+    assert NgramDrafter(3, 6, floor=1).propose([7, 8, 9, 5, 9], 4) == []
+    assert NgramDrafter(3, 6, floor=1).propose_matched([7, 8, 9, 5, 9], 4, shortest=1) == (
+        1,
+        [5],
+    )
 
 
 def _finished(tokens: list[int]) -> NgramDrafter:
@@ -174,10 +164,10 @@ def test_recent_sequences_continue_the_longest_match_the_newest_on_a_tie():
     older, newer = [1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8, 9]
     recent.add(older, _finished(older))
     recent.add(newer, _finished(newer))
-    assert recent.propose([0, 2, 3], 4) == (2, [7, 8, 9])  # "2 3" in both: the newer's sequel
-    assert recent.propose([5, 9, 2, 3], 2) == (3, [7, 8])  # a 3-gram match
+    assert recent.propose([0, 2, 3], 4) == (2, [7])  # "2 3" in both: the newer one's sequel
+    assert recent.propose([5, 9, 2, 3], 4) == (3, [7, 8])  # a 3-gram match: two tokens
     assert recent.propose([0, 4, 5], 4) == (2, [6])  # only in the older one
-    assert recent.propose([1, 2, 3], 4) == (3, [4, 5, 6])  # longer in the older one: it wins
+    assert recent.propose([1, 2, 3], 4) == (3, [4, 5])  # longer in the older one: it wins
     assert recent.propose([5, 6], 4) == (0, [])  # "5 6" ends its sequence: nothing follows
     assert recent.propose([0, 0, 0], 4) == (0, [])
 
@@ -188,7 +178,7 @@ def test_recent_sequences_are_bounded_oldest_out():
         seq = [base, base + 1, base + 2, base + 3]
         recent.add(seq, _finished(seq))
     assert len(recent) == 2 and recent.propose([10, 11], 2) == (0, [])
-    assert recent.propose([30, 31], 1) == (2, [32])
+    assert recent.propose([30, 31], 2) == (2, [32])
     long = list(range(100, 111))
     recent.add(long, _finished(long))  # longer than the whole bound: not kept
     assert len(recent) == 2 and recent.propose([100, 101], 2) == (0, [])
@@ -197,21 +187,15 @@ def test_recent_sequences_are_bounded_oldest_out():
     assert len(recent) == 1
 
 
-def _draft(spec: Speculator, req: Request) -> list[int]:
-    """req's draft decoding alone (nothing timed: every guessed token goes in)."""
-    return spec.plan([req], 16).get(req.request_id, [])
-
-
 def test_the_longer_match_guesses_whether_own_or_recent():
     spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
     done = Request("a", [1, 2, 3, 4, 5, 6, 7], sampling(max_tokens=50))
-    _draft(spec, done)
+    spec.draft(done, 8)
     spec.forget(done)  # finished: its tokens join the recent ones
     # Own tokens: "4 5" was followed by 8 (a 2-gram); the finished one: "3 4 5" by 6 7.
-    assert _draft(spec, Request("b", [4, 5, 8, 3, 4, 5], sampling(max_tokens=50))) == [6, 7]
-    # Own tokens match longer ("8 4 5" by 9 8 4 5): own wins.
-    c = Request("c", [8, 4, 5, 9, 8, 4, 5], sampling(max_tokens=50))
-    assert _draft(spec, c) == [9, 8, 4, 5]
+    assert spec.draft(Request("b", [4, 5, 8, 3, 4, 5], sampling(max_tokens=50)), 8) == [6, 7]
+    # Own tokens match longer ("8 4 5" by 9): own wins.
+    assert spec.draft(Request("c", [8, 4, 5, 9, 8, 4, 5], sampling(max_tokens=50)), 8) == [9, 8]
 
 
 def test_a_match_of_ngram_max_is_measured_back_so_a_regeneration_follows_its_answer():
@@ -221,13 +205,13 @@ def test_a_match_of_ngram_max_is_measured_back_so_a_regeneration_follows_its_ans
     prompt = [1, 2, 3, 4, 70, 50, 51, 52, 1, 2, 3, 4]
     answer = [60, 61, 62]
     own = NgramDrafter(2, 4)
-    assert own.propose_matched(prompt, 3) == (4, [70, 50, 51])
+    assert own.propose_matched(prompt, 8) == (4, [70, 50, 51])
     recent = RecentSequences()
     recent.add(prompt + answer, _finished(prompt + answer))
     assert recent.propose(prompt, 8) == (12, [60, 61, 62])  # 12 long: as many as there are
     spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
     spec.recent = recent
-    assert _draft(spec, Request("again", prompt, sampling(max_tokens=50))) == [60, 61, 62]
+    assert spec.draft(Request("again", prompt, sampling(max_tokens=50)), 8) == [60, 61]
     # Measured in doubling steps: a run that breaks inside a step counts up to that step.
     broken = [9, 8, 7, 1, 2, 3, 4, 5, 6, 8, 7, 1, 2, 3, 4]  # 6 long; the step of 3 breaks
     assert NgramDrafter(2, 4).propose_matched(broken, 2) == (4, [5, 6])
