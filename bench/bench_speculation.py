@@ -79,10 +79,10 @@ ARMS: dict[str, tuple[str, list[str], dict[str, str]]] = {
 # with -march=native ("llama-server default ...").
 LLAMA_SERVER_MODES = {"none": [], "ngram-simple": ["--spec-type", "ngram-simple"],
                       "ngram-mod": ["--spec-type", "ngram-mod"]}  # fmt: skip
-for _kind, _name in (("llama-server", "llama-server"),
-                     ("llama-server-default", "llama-server default")):  # fmt: skip
-    for _mode, _flags in LLAMA_SERVER_MODES.items():
-        ARMS[f"{_name} {_mode}"] = (_kind, _flags, {})
+ARMS.update({f"{name} {mode}": (kind, flags, {})
+             for kind, name in (("llama-server", "llama-server"),
+                                ("llama-server-default", "llama-server default"))
+             for mode, flags in LLAMA_SERVER_MODES.items()})  # fmt: skip
 BY_NAME_ONLY = (" alt", "llama-server default")  # arms with these in their names
 ALL_BUSY = ", all busy"  # the key suffix of a cell's rate while every client had a request out
 
