@@ -1,7 +1,7 @@
 """N-gram speculation, side by side: ferrum with and without it, and llama.cpp's own server
 without speculation and with its n-gram modes, on the default chat model.
 
-Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct) and threads:
+Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct, or `--model`) and threads:
 `ferrum serve` (--spec-type ngram, the default), the same with `--spec-recent 0` (guesses
 from a request's own tokens only, not from earlier requests') and `--spec-type none`, and
 either on `--alt-python` (arms ending in "alt", chosen by name only);
@@ -55,6 +55,7 @@ from ferrum.bench.stats import Answer, Spread, rate_while_all_busy
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
 ALT_PYTHON = sys.executable  # --alt-python
+MODEL = ""  # --model: the GGUF every arm serves (default: the default chat model)
 MAX_TOKENS = 200
 REQUESTS_PER_CLIENT = 2
 PASSAGE = (Path(__file__).parent / "data" / "speculation_passage.py.txt").read_text()
@@ -103,7 +104,7 @@ def _server(arm: str, threads: int, folder: Path) -> ServerProcess:
     kind, extra, env = ARMS[arm]
     python = ALT_PYTHON if arm.endswith(" alt") else sys.executable
     port = free_port()
-    model = builtin_path(DEFAULT_CHAT_MODEL)
+    model = MODEL or builtin_path(DEFAULT_CHAT_MODEL)
     if kind == "ferrum":
         cmd = ferrum_command(port, "--threads", str(threads), "--models-dir", str(folder / "m"),
                              "--model", f"bench={model}", "--parallel", "8", "--ctx-size",
@@ -157,10 +158,14 @@ def main() -> None:
                     help="interpreter of the 'ferrum none alt' arm (another llama.cpp build)")
     usual = [a for a in ARMS if not any(n in a for n in BY_NAME_ONLY)]
     ap.add_argument("--arms", default=",".join(usual))
+    ap.add_argument("--model", default="",
+                    help="GGUF every arm serves (default: the default chat model); e.g. the "
+                         "same model in another quantisation, whose kernels verify guesses "
+                         "cheaper or dearer")
     ap.add_argument("--out", default="bench/results/speculation")
     args = ap.parse_args()
-    global ALT_PYTHON
-    ALT_PYTHON = args.alt_python
+    global ALT_PYTHON, MODEL
+    ALT_PYTHON, MODEL = args.alt_python, args.model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arms = args.arms.split(",")
