@@ -67,14 +67,17 @@ class NgramDrafter:
         tokens: Sequence[int],
         k: int,
         shortest: int | None = None,
+        above: int = 0,
     ) -> Match:
         """What followed the latest earlier occurrence, in `source` (the tokens these tables
         index), of the longest of `suffixes` (those of `tokens`) that occurs there, `shortest`
-        tokens or more (default: ngram_min; at least the floor). A match of the longest
-        n-gram is measured further back, up to _MEASURE_MAX."""
+        tokens or more (default: ngram_min; at least the floor) and longer than `above` (a
+        match the caller already has). A match of the longest n-gram is measured further
+        back, up to _MEASURE_MAX."""
         least = self._min if shortest is None else max(shortest, self._sizes[-1])
         for n, key in suffixes:
-            if n < least:
+            # The longest n-gram is measured further back: it may beat any `above`.
+            if n < least or n <= min(above, self._sizes[0] - 1):
                 break
             at = self._tables[n].get(key)
             if at is not None and at < len(source):
@@ -136,17 +139,18 @@ class RecentSequences:
         k: int,
         suffixes: Suffixes | None = None,
         shortest: int | None = None,
+        above: int = 0,
     ) -> Match:
-        """The continuation of the longest suffix match in any of them (the newest on a tie).
-        `suffixes`: those of `tokens`, when the caller already has them; `shortest`: see
-        `NgramDrafter.follow`."""
+        """The continuation of the longest suffix match in any of them (the newest on a tie),
+        if longer than `above`. `suffixes`: those of `tokens`, when the caller already has
+        them; `shortest`: see `NgramDrafter.follow`."""
         if not self._sequences:
             return _NO_MATCH
         if suffixes is None:  # every drafter here looks up the same sizes
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
         for source, drafter in reversed(self._sequences):
-            found = drafter.follow(suffixes, source, tokens, k, shortest)
+            found = drafter.follow(suffixes, source, tokens, k, shortest, max(above, best[0]))
             if found[0] > best[0] and found[1]:
                 best = found
         return best

@@ -128,9 +128,7 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        spec = self.speculator
-        # Draft tokens per decode this step: batch_max shared by every decoding request.
-        share = spec.config.batch_max // max(1, len(decoding)) if spec else 0
+        chunks = []
         for req in decoding:
             if budget == 0:
                 break
@@ -138,19 +136,27 @@ class Scheduler:
                 continue  # preempted earlier in this pass
             if not self._grow_or_preempt(req, out):
                 continue  # req itself was preempted
-            draft = self._draft(req, min(share, budget - 1), len(decoding))
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, draft))
-            budget -= 1 + len(draft)
-        return budget
+            chunk = ScheduledChunk(req, req.num_computed_tokens, 1)
+            out.chunks.append(chunk)
+            chunks.append(chunk)
+            budget -= 1
+        return budget - self._draft(chunks, budget)
 
-    def _draft(self, req: Request, room: int, decoding: int) -> tuple[int, ...]:
-        """req's draft, on blocks already free: a guess never evicts or preempts anything."""
-        if self.speculator is None or room <= 0:
-            return ()
-        draft = self.speculator.draft(req, room, decoding)
-        if draft and not self.blocks.grow(req.page_table, req.num_tokens + len(draft)):
-            return ()
-        return tuple(draft)
+    def _draft(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        """Drafts for the step's decodes, within batch_max and `budget` for all of them and on
+        blocks already free (a guess never evicts or preempts anything); the tokens placed."""
+        spec = self.speculator
+        if spec is None or not chunks or budget <= 0:
+            return 0
+        share = spec.config.batch_max // len(chunks)
+        drafts = spec.plan([c.request for c in chunks], share, limit=budget)
+        placed = 0
+        for c, draft in zip(chunks, drafts, strict=True):
+            req = c.request
+            if draft and self.blocks.grow(req.page_table, req.num_tokens + len(draft)):
+                c.draft = tuple(draft)
+                placed += len(draft)
+        return placed
 
     def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
         for req in self.running:

@@ -15,20 +15,21 @@ only accepted tokens ever enter `all_token_ids`, so the prefix index never sees 
     KV kept     last  d1  d2 | d3 d4 removed   the next step decodes t3
 
 The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n from
-`ngram_max` down to `ngram_min`) of the sequence's last n tokens and proposes what followed
-it, as many tokens as the match is longer than `ngram_min` (plus one). Where a guess costs
-under half a token (one request decoding, on a CPU), matches down to one token count, so a
-request that departs from what it copies guesses again at once. The same lookup runs
-over the model's latest finished requests (`RecentSequences`: a regeneration or a retry
-repeats an earlier answer), and the longer of the two matches gives the guess; a match of
-`ngram_max` tokens is measured further back, so an answer regenerated from the same prompt
-follows its earlier run, not a few lines of its own prompt. Lengths adapt per request
-(`DraftState`): a draft starts at 2 tokens, doubles after a full acceptance, shrinks to what
-was accepted plus one otherwise, and a request whose drafts keep failing follows only
-matches longer than `ngram_min` for a while. A guess must also pay for its position: the
-decode cost measured so far, the number of requests decoding and the request's rate of kept
-guesses decide how many guesses in a row are worth it (`Speculator`), so where the batch is
-already wide only likely guesses go in. Across the step, `batch_max` bounds the draft tokens of all
+`ngram_max` down to `ngram_min`, down to one token once decode costs are timed) of the
+sequence's last n tokens and proposes what followed it, as many tokens as the match is
+longer than the shortest looked up (plus one). The same lookup runs over the model's latest
+finished requests (`RecentSequences`: a regeneration or a retry repeats an earlier answer),
+and the longer of the two matches gives the guess; a match of `ngram_max` tokens is measured
+further back, so an answer regenerated from the same prompt follows its earlier run, not a
+few lines of its own prompt. Lengths adapt per request (`DraftState`): a draft starts at 2
+tokens, doubles after a full acceptance, shrinks to what was accepted plus one otherwise,
+and a request whose drafts keep failing follows only matches longer than `ngram_min` for a
+while. A guess must also pay for its position: the length of the match it follows says how
+likely it is to be kept (`KeepRates`, learned per model, weighed by the request's own record
+against them), the decodes timed so far what its position costs (`StepCosts`), and the step
+takes the likeliest guesses of all its requests, as many as give it the most tokens per
+second (`Speculator`), so on one stream likely guesses go in and where the batch is already
+wide only the likeliest. Across the step, `batch_max` bounds the draft tokens of all
 requests together.
 
 Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
@@ -37,25 +38,31 @@ for sliding-window models (the window cache may recycle cells a rollback needs a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
+from statistics import median
 from typing import Protocol
 
 from ferrum.config import EngineConfig
 from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.turns import DecodeCost
 
 _FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
 _PAUSE_TOKENS = 32  # tokens generated after that following long matches only
-_RATE_DECAY = 0.9  # per verification: how much of a request's older evidence still counts
-_PRIOR_TRIES = 4.0  # weight of the model-wide rate in a request's own (as guesses tried)
-_PROBE_EVERY = 16  # output tokens between single guesses while no guess pays (to re-measure)
-_REFIT_EVERY = 8  # timed decodes between two fits of the decode cost
-# Where a guessed position costs under this share of a token (the bar below; one request
-# decoding on a CPU), guesses follow n-grams down to _CHEAP_NGRAM_MIN tokens, not ngram_min.
-_CHEAP_BAR = 0.5
-_CHEAP_NGRAM_MIN = 1
+_PROBE_EVERY = 64  # output tokens between single guesses while none pays (to re-measure)
+_CHEAP_NGRAM_MIN = 1  # once decode costs are measured, matches this short are looked up
+# How often a guess is kept, per match length: a new length starts at _PRIOR_KEPT as if
+# seen _PRIOR_TRIES times (hopeful, so a length is tried before it is judged); each new
+# guess weighs its length's older evidence down by _KEPT_DECAY.
+_PRIOR_KEPT = 0.8
+_PRIOR_TRIES = 2.0
+_KEPT_DECAY = 0.98
+# A request's own record of kept guesses against what those rates expected: each draft
+# weighs the older ones down by _OWN_DECAY; see DraftState.odds for _OWN_PRIOR.
+_OWN_DECAY = 0.9
+_OWN_PRIOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,25 +94,33 @@ class Drafter(Protocol):
 
 @dataclass
 class DraftState:
-    """One request's drafter, how long its drafts currently are, and how often its guesses
-    are kept."""
+    """One request's drafter, how long its drafts currently are, the match its pending draft
+    follows, and its record of kept guesses against the model-wide rates."""
 
     drafter: Drafter
     length: int
     fails: int = 0
     paused_until: int = 0  # output length before which only long matches are followed
-    kept: float = 0.0  # guesses kept, older verifications counting less (_RATE_DECAY)
-    tried: float = 0.0  # guesses sampled at: each kept one and the first refused
     probe_at: int = 0  # output length of the next single guess while none pays
+    match: int = 0  # length of the n-gram match the pending draft follows (0: not known)
+    kept: float = 0.0  # its guesses kept, older drafts counting less (_OWN_DECAY)
+    tried: float = 0.0  # its guesses tried (each kept one and the first refused)
+    expected: float = 0.0  # how many of those the model-wide rates expected kept
 
-    def rate(self, prior: float) -> float:
-        """The chance that its next guess is kept, given the previous one was: its own
-        recent record, starting from `prior` (the model's)."""
-        return (self.kept + prior * _PRIOR_TRIES) / (self.tried + _PRIOR_TRIES)
+    def odds(self) -> float:
+        """How much likelier than the model-wide rates say its guesses are kept: the odds of
+        its own record (kept against refused) over the odds those rates expected, each
+        drawn towards 1 by _OWN_PRIOR guesses of each kind."""
+        refused, expected_refused = self.tried - self.kept, self.tried - self.expected
+        own = (self.kept + _OWN_PRIOR) / (refused + _OWN_PRIOR)
+        return own * (expected_refused + _OWN_PRIOR) / (self.expected + _OWN_PRIOR)
+
+    def scored(self, kept: int, tried: int, expected: float) -> None:
+        self.kept = self.kept * _OWN_DECAY + kept
+        self.tried = self.tried * _OWN_DECAY + tried
+        self.expected = self.expected * _OWN_DECAY + expected
 
     def update(self, drafted: int, accepted: int, draft_max: int, num_output: int) -> None:
-        self.kept = self.kept * _RATE_DECAY + accepted
-        self.tried = self.tried * _RATE_DECAY + accepted + (accepted < drafted)
         if accepted == drafted:
             self.length = min(draft_max, self.length * 2)
             self.fails = 0
@@ -117,19 +132,142 @@ class DraftState:
             self.paused_until = num_output + _PAUSE_TOKENS
 
 
+class StepCosts:
+    """A decode's seconds by its number of positions: the median of each size's latest
+    timings, made non-decreasing, between sizes a straight line, past the largest the
+    cheapest slope between two of them. Not one line for all sizes: on 2 CPU cores two
+    positions cost 1.9x one and four 3.1x, so a line fitted to all of them would price the
+    first guess at two thirds of a token where it costs nine tenths."""
+
+    KEEP = 9  # timings per size
+
+    def __init__(self) -> None:
+        self._timings: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}
+        self._table: list[tuple[int, float]] | None = None  # (size, seconds), rising
+        self._slope = 0.0  # seconds per position past the largest size timed
+        self._known: dict[int, float | None] = {}  # seconds() since the last timing
+
+    def add(self, positions: int, seconds: float) -> None:
+        timings = self._timings.get(positions)
+        if timings is None:
+            timings = self._timings[positions] = deque(maxlen=self.KEEP)
+        timings.append(seconds)
+        self._medians[positions] = median(timings)
+        self._table = None
+        self._known.clear()
+
+    def seconds(self, positions: int) -> float | None:
+        """The expected seconds of a decode of `positions`; None until two sizes, one of
+        them no larger, are timed."""
+        if positions not in self._known:
+            self._known[positions] = self._estimate(positions)
+        return self._known[positions]
+
+    def _estimate(self, positions: int) -> float | None:
+        table = self._rising()
+        if len(table) < 2 or positions < table[0][0]:
+            return None
+        below = table[0]
+        for size, secs in table:
+            if size == positions:
+                return secs
+            if size > positions:
+                return below[1] + (secs - below[1]) * (positions - below[0]) / (size - below[0])
+            below = size, secs
+        last, high = table[-1]
+        return high + self._slope * (positions - last)
+
+    def _rising(self) -> list[tuple[int, float]]:
+        if self._table is None:
+            table, top = [], 0.0
+            for size in sorted(self._medians):
+                top = max(top, self._medians[size])
+                table.append((size, top))
+            self._table = table
+            # Past the largest size timed, the cheapest position seen between two sizes: a
+            # hopeful guess, so that a wider decode is tried, timed and then known.
+            slopes = [(b - a) / (m - n) for (n, a), (m, b) in pairwise(table) if b > a]
+            self._slope = min(slopes) if slopes else 0.0
+        return self._table
+
+
+class KeepRates:
+    """How often a guess is kept, by the length of the n-gram match it follows: the stronger
+    the evidence, the likelier the guess (on stories here, 47% after a 3-token match, 95%
+    after a match of ngram_max). The j-th guess of a draft from an n-token match follows an
+    (n + j - 1)-token match once the guesses before it held. Lengths of `longest` and more
+    share one rate."""
+
+    def __init__(self, longest: int) -> None:
+        self._longest = longest
+        self._kept = [0.0] * (longest + 1)
+        self._tried = [0.0] * (longest + 1)
+        self._likeliest: float | None = None
+
+    def chance(self, match: int) -> float:
+        """The chance that a guess following a `match`-token match is kept."""
+        i = min(match, self._longest)
+        return (self._kept[i] + _PRIOR_KEPT * _PRIOR_TRIES) / (self._tried[i] + _PRIOR_TRIES)
+
+    def likeliest(self) -> float:
+        """The highest chance of any match length."""
+        if self._likeliest is None:
+            self._likeliest = max(self.chance(n) for n in range(1, self._longest + 1))
+        return self._likeliest
+
+    def runs(self, match: int, k: int, odds: float = 1.0) -> list[float]:
+        """For j = 1..k: the chance that the first j guesses of a draft are all kept, each
+        guess's odds times `odds` (a request's own record against these rates)."""
+        out, chance = [], 1.0
+        for j in range(k):
+            p = self.chance(match + j)
+            p = p * odds / (1 - p + p * odds)
+            chance *= p
+            out.append(chance)
+        return out
+
+    def expected(self, match: int, tried: int) -> float:
+        """How many of a draft's first `tried` guesses these rates expected kept."""
+        return sum(self.chance(match + j) for j in range(tried))
+
+    def record(self, match: int, drafted: int, accepted: int) -> None:
+        """A draft from a `match`-token match: each guess up to the first refused was tried
+        at its own length."""
+        for j in range(min(drafted, accepted + 1)):
+            i = min(match + j, self._longest)
+            self._kept[i] = self._kept[i] * _KEPT_DECAY + (j < accepted)
+            self._tried[i] = self._tried[i] * _KEPT_DECAY + 1
+        self._likeliest = None
+
+
+@dataclass
+class Proposal:
+    """One request's guess for the step, before the step's drafts are cut."""
+
+    guess: list[int]
+    runs: list[float]  # for j = 1..len(guess): the chance the first j are all kept
+    match: int  # length of the n-gram match it follows (0: not an n-gram guess)
+    probe: bool  # a single guess may go in even if none pays
+
+
+_NO_PROPOSAL = Proposal([], [], 0, False)
+
+
 @dataclass
 class Speculator:
     """Drafts for the scheduler, verification results from the engine, and the totals.
 
-    A guess pays only when it is likely enough to be kept. A decode of n positions takes
-    about fixed + n x per_token seconds (`DecodeCost`, fitted to the decodes without
-    prefill); with `decoding` requests in the step, each output token costs
-    (fixed + decoding x per_token) / decoding, and a request's j-th guess adds per_token
-    for a token kept with chance rate**j. So it drafts the guesses whose chance beats
-    per_token / that cost: on 2 CPU cores, a position costs about half a one-stream step, so
-    one stream drafts at rates over ~0.5 and 4 streams only over ~0.8, where the batch is
-    already wide. While no guess pays, a request still guesses one token every _PROBE_EVERY
-    tokens, so its rate follows what it writes."""
+    A guess goes in only where it raises the step's expected tokens per second. The step's
+    seconds come from the decodes timed so far (`StepCosts`, by number of positions); each
+    guess adds a position and, with its chance of being kept (`KeepRates`, by the match it
+    follows), tokens. Every decoding request proposes its guess first; the step then takes
+    the likeliest guesses across all of them, as many as give it the most tokens per second
+    (`paying`), so on one stream a likely guess pays and on a wide batch only the likeliest
+    do, and a cost curve that is not a line (a dear second position, cheap ones after) is
+    weighed as a whole. Until two sizes of decode are timed nothing bounds a guess but
+    ngram_min and the request's draft length. While no guess pays, a request still guesses
+    one token every _PROBE_EVERY tokens, so the rates follow what is written."""
 
     config: SpecConfig
     make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(
@@ -137,102 +275,131 @@ class Speculator:
     )
     drafted: int = 0
     accepted: int = 0
-    tried: int = 0  # guesses sampled at (each kept one and the first refused), model-wide
-    cost: DecodeCost = field(default_factory=DecodeCost)
+    costs: StepCosts = field(default_factory=StepCosts)
+    rates: KeepRates = field(init=False)
     _states: dict[str, DraftState] = field(default_factory=dict)
     recent: RecentSequences = field(init=False)
-    _fit: tuple[float, float] | None = None
-    _timed: int = 0
 
     def __post_init__(self) -> None:
         self.recent = RecentSequences(max_sequences=self.config.recent)
+        self.rates = KeepRates(self.config.ngram_max)
 
     def timed(self, tokens: int, seconds: float) -> None:
         """A decode without prefill: `tokens` positions in `seconds`."""
-        self.cost.add(tokens, seconds)
-        self._timed += 1
-        if self._timed % _REFIT_EVERY == 1:
-            fit = self.cost.fit()
-            # A fit without a fixed part (decodes of one size only) cannot weigh a guess.
-            self._fit = fit if fit is not None and fit[0] > 0 and fit[1] > 0 else None
+        self.costs.add(tokens, seconds)
 
-    def bar(self, decoding: int) -> float | None:
-        """The chance of being kept at which a guess pays for its position with `decoding`
-        requests in the step (its cost over a token's share of the step); None: the decode
-        cost is not measured."""
-        if self._fit is None:
+    def paying(
+        self, decoding: int, runs: Sequence[Sequence[float]], limit: int | None = None
+    ) -> list[int] | None:
+        """How many guesses of each draft go into a step of `decoding` requests (runs[i][j-1]:
+        the chance that the first j guesses of the i-th draft are all kept), at most `limit` in
+        all, for the most expected tokens per second; None: decode costs are not measured.
+        Within a draft the chances fall, so the likeliest m guesses of the step are the
+        first few of each draft."""
+        now = self.costs.seconds(decoding)
+        if now is None:
             return None
-        fixed, per_token = self._fit
-        return per_token * decoding / (fixed + per_token * decoding)
-
-    def paying(self, rate: float, decoding: int) -> int | None:
-        """How many guesses in a row pay for their positions at `rate` with `decoding`
-        requests in the step; None: the decode cost is not measured (no bound)."""
-        bar = self.bar(decoding)
-        return None if bar is None else self._guesses_over(rate, bar)
-
-    def _guesses_over(self, rate: float, bar: float) -> int:
-        """How many guesses in a row each keep a chance over `bar` at `rate`."""
-        k, chance = 0, rate
-        while k < self.config.draft_max and chance > bar:
-            k += 1
-            chance *= rate
-        return k
+        guesses = [(c, i) for i, run in enumerate(runs) for c in run]
+        ranked = sorted(guesses, key=lambda g: (-g[0], g[1]))[:limit]  # likeliest first
+        best, best_rate, tokens = 0, decoding / now, float(decoding)
+        for m, (chance, _) in enumerate(ranked, 1):
+            tokens += chance
+            secs = self.costs.seconds(decoding + m)
+            if secs is not None and tokens / secs > best_rate:
+                best, best_rate = m, tokens / secs
+        counts = [0] * len(runs)
+        for _, i in ranked[:best]:
+            counts[i] += 1
+        return counts
 
     def wants(self, req: Request) -> bool:
         setting = req.params.speculate
         return self.config.enabled if setting is None else setting and self.config.draft_max > 0
 
+    def plan(
+        self,
+        reqs: Sequence[Request],
+        room: int,
+        limit: int | None = None,
+        decoding: int | None = None,
+    ) -> list[list[int]]:
+        """Draft tokens for each of a step's decoding requests: up to `room` each and `limit`
+        in all (none for a request that should not draft); `decoding`: the requests decoding
+        in the step (default: these)."""
+        width = max(len(reqs), decoding or 0)
+        measured = self.costs.seconds(width) is not None
+        # Not worth a lookup where even guesses as likely as the likeliest would not pay.
+        best = self.rates.likeliest()
+        likeliest = [best**j for j in range(1, min(room, self.config.draft_max) + 1)]
+        hopeless = measured and not any(self.paying(width, [likeliest] * len(reqs), limit) or ())
+        proposals = [self._propose(req, room, measured, hopeless) for req in reqs]
+        counts = self.paying(width, [p.runs for p in proposals], limit)
+        if counts is None:  # no bound but the draft lengths
+            counts = [len(p.guess) for p in proposals]
+        drafts, left = [], limit
+        for req, p, n in zip(reqs, proposals, counts, strict=True):
+            state = self._states.get(req.request_id)
+            if n == 0 and p.probe and p.guess and state is not None:
+                n = 1
+                state.probe_at = req.num_output_tokens + _PROBE_EVERY
+            if left is not None:
+                n = min(n, left)
+                left -= n
+            if state is not None:
+                state.match = p.match if n else 0
+            drafts.append(p.guess[:n])
+        return drafts
+
     def draft(self, req: Request, room: int, decoding: int = 1) -> list[int]:
-        """Up to `room` draft tokens for req's next step (none when it should not draft),
-        `decoding` requests decoding in it."""
+        """Up to `room` draft tokens for req's next step, with `decoding` requests decoding in
+        it and none of the others drafting."""
+        return self.plan([req], room, decoding=decoding)[0]
+
+    def _propose(self, req: Request, room: int, measured: bool, hopeless: bool) -> Proposal:
+        """req's guess for the step, as long as its drafter and draft length allow."""
         if room <= 0 or not self.wants(req):
-            return []
+            return _NO_PROPOSAL
         state = self._states.get(req.request_id)
         if state is None:
             # Short first: a wrong guess costs a position; lengths double while guesses hold.
             state = self._states[req.request_id] = DraftState(self.make_drafter(self.config), 2)
+        state.match = 0
         drafter = state.drafter
         paused = req.num_output_tokens < state.paused_until
         if paused and not isinstance(drafter, NgramDrafter):
-            return []
+            return _NO_PROPOSAL
         # Never draft past max_tokens: those positions could never be kept.
         k = min(room, state.length, req.params.max_tokens - req.num_output_tokens - 1)
-        bar = self.bar(decoding)  # once: it decides both how many guesses and from what
-        rate = state.rate((self.accepted + 1) / (self.tried + 2))
-        pays = None if bar is None else self._guesses_over(rate, bar)
-        if pays == 0 and not paused and req.num_output_tokens >= state.probe_at:
-            pays = 1
-            state.probe_at = req.num_output_tokens + _PROBE_EVERY
-        if pays is not None:
-            k = min(k, pays)
-        if k <= 0:
-            return []
+        probe = not paused and req.num_output_tokens >= state.probe_at
+        if k <= 0 or (hopeless and not probe):
+            return _NO_PROPOSAL
         tokens = req.all_token_ids
         if not isinstance(drafter, NgramDrafter):
-            return drafter.propose(tokens, k)
-        # Where a guess costs little (one request decoding), a match of one token is worth
-        # following: right after the output departs from what it copies, it guesses again
-        # at the next token instead of ngram_min tokens later. Where the batch is wide, weak
-        # guesses would lower the request's rate and with it the strong ones the gate admits.
-        shortest = _CHEAP_NGRAM_MIN if bar is not None and bar < _CHEAP_BAR else None
+            guess = drafter.propose(tokens, k)
+            return Proposal(guess, [self.rates.likeliest()] * len(guess), 0, False)
+        # Once costs are measured, every match length is looked up and its own rate decides;
+        # before, only ngram_min and longer. A request whose guesses kept failing departed
+        # from what it followed: for a while only a match longer than ngram_min counts.
+        shortest = _CHEAP_NGRAM_MIN if measured else None
         if paused:
-            # Its guesses kept failing: it departed from what it was following. For a while
-            # only a match longer than ngram_min counts, the sign it is copying again.
             shortest = self.config.ngram_min + 1
         # The longer match is the better evidence: a repeated request's own prompt may match
         # where its earlier answer, which it is repeating, matches longer.
         suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
         own = drafter.propose_matched(tokens, k, suffixes, shortest)
-        other = self.recent.propose(tokens, k, suffixes, shortest)
-        return other[1] if other[0] > own[0] else own[1]
+        other = self.recent.propose(tokens, k, suffixes, shortest, above=own[0])
+        match, guess = other if other[0] > own[0] else own
+        return Proposal(guess, self.rates.runs(match, len(guess), state.odds()), match, probe)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        self.tried += accepted + (accepted < drafted)
         state = self._states.get(req.request_id)
         if state is not None:
+            if state.match:
+                tried = min(drafted, accepted + 1)
+                state.scored(accepted, tried, self.rates.expected(state.match, tried))
+                self.rates.record(state.match, drafted, accepted)
             state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)
 
     def forget(self, req: Request) -> None:

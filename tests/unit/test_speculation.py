@@ -12,7 +12,13 @@ import pytest
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.speculation import DraftState, SpecConfig, Speculator
+from ferrum.engine.speculation import (
+    DraftState,
+    KeepRates,
+    SpecConfig,
+    Speculator,
+    StepCosts,
+)
 from tests.factories import (
     EOS,
     FakeRunner,
@@ -70,59 +76,98 @@ def test_a_request_whose_guesses_keep_failing_follows_only_long_matches_for_a_wh
     assert spec.draft(req, 8) == [5]
 
 
-def _measured(spec: Speculator, fixed: float = 0.006, per_token: float = 0.005) -> None:
-    """Decodes of 1 to 9 positions timed as fixed + n x per_token (enough for a fit)."""
-    for i in range(9):
-        spec.timed(1 + i, fixed + per_token * (1 + i))
+# Decode milliseconds by positions as measured on 2 CPU cores: a second position costs nine
+# tenths of a token, the third and fourth much less; between and past the sizes timed, lines.
+CPU = {1: 10, 2: 19, 3: 24, 4: 28, 8: 40, 9: 48, 16: 70}
+CHEAP = {n: 8 + 2 * n for n in range(1, 10)}  # a position costs a fifth of a token
 
 
-def test_a_guess_goes_in_only_where_its_chance_pays_for_its_position():
-    """A position costs per_token; a step of `decoding` requests yields one token each for
-    fixed + decoding x per_token. The j-th guess, kept with chance rate**j, pays while that
-    chance beats per_token x decoding / (fixed + decoding x per_token)."""
+def _measured(spec: Speculator, table: dict[int, float] = CPU) -> Speculator:
+    for size, ms in table.items():
+        spec.timed(size, ms / 1000)
+    return spec
+
+
+def test_step_costs_are_each_sizes_median_rising_and_lines_between():
+    costs = StepCosts()
+    assert costs.seconds(1) is None
+    costs.add(1, 0.010)
+    assert costs.seconds(1) is None  # one size: nothing to weigh a guess against
+    costs.add(1, 0.500)  # an outlier: the median of 0.010, 0.500 and 0.010 holds
+    costs.add(1, 0.010)
+    costs.add(4, 0.028)
+    costs.add(8, 0.040)
+    assert costs.seconds(1) == 0.010 and costs.seconds(4) == 0.028
+    assert costs.seconds(6) == pytest.approx(0.034)  # halfway from 4 to 8
+    assert costs.seconds(15) == pytest.approx(0.040 + 7 * 0.003)  # the cheapest slope
+    costs.add(6, 0.045)  # slower than 8 positions (noise): 8 costs at least as much
+    assert costs.seconds(8) == 0.045 and costs.seconds(7) == 0.045
+
+
+def test_a_step_takes_the_likeliest_guesses_that_give_it_the_most_tokens_per_second():
+    """A step of d requests yields d tokens; each guess adds a position and its chance of
+    being kept (all the guesses of its draft before it kept too). The step takes the m
+    likeliest guesses of all drafts, m for the most expected tokens per second."""
     spec = Speculator(SpecConfig(draft_max=8))
-    assert spec.paying(0.5, 8) is None  # nothing measured: no bound
+    assert spec.paying(1, [[0.9]]) is None  # nothing timed: no bound
     _measured(spec)
-    # One stream: bar 5/11. Four: 20/26. Eight: 40/46.
-    assert spec.paying(0.99, 1) == 8  # up to draft_max
-    assert spec.paying(0.8, 1) == 3  # 0.8**3 = 0.51 > 0.45 > 0.8**4
-    assert spec.paying(0.8, 4) == 1  # 0.8 > 0.77 > 0.64
-    assert spec.paying(0.8, 8) == 0
-    assert spec.paying(0.95, 8) == 2  # 0.95**2 = 0.90 > 0.87 > 0.86
-    assert spec.paying(0.3, 1) == 0
-    for rate in (0.5, 0.7, 0.9, 0.97):
-        counts = [spec.paying(rate, d) for d in (1, 2, 4, 8, 16)]
-        assert counts == sorted(counts, reverse=True)  # wider batches: fewer guesses
-    flat = Speculator(SpecConfig())
-    for _ in range(9):
-        flat.timed(4, 0.02)  # one size only: no fixed part to weigh a guess against
-    assert flat.paying(0.5, 4) is None
+    assert spec.paying(1, [[0.8]]) == [0]  # 1.8 tokens in 19 ms against 1 in 10: slower
+    assert spec.paying(1, [[0.8, 0.64, 0.51]]) == [3]  # 2.95 in 28 ms: faster
+    assert spec.paying(1, [[0.5, 0.25]]) == [0]
+    likely = [0.99**j for j in range(1, 9)]
+    assert spec.paying(1, [likely]) == [7]  # the 9th position costs 8 ms for 0.92 tokens
+    assert spec.paying(8, [[0.95]]) == [0]  # 8 tokens in 40 ms; 8.95 in 48
+    # Weighed together: one draft alone does not pay in a step of 8, eight do (8 tokens in
+    # 40 ms, 15.9 in 70); the likeliest guesses go first, the first of each draft.
+    assert spec.paying(8, [likely[:1]] * 8) == [1] * 8
+    assert spec.paying(8, [likely[:1]] * 7 + [[0.4]]) == [1] * 7 + [0]
+    assert spec.paying(8, [likely[:1]] * 8, limit=3) == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def test_keep_rates_are_by_match_length_and_a_guess_is_tried_at_its_own():
+    rates = KeepRates(longest=6)
+    assert rates.chance(3) == pytest.approx(0.8)  # hopeful before any evidence
+    for _ in range(20):
+        rates.record(3, drafted=3, accepted=1)  # kept after 3 tokens, refused after 4
+    assert rates.chance(3) > 0.9 and rates.chance(4) < 0.2
+    assert rates.chance(5) == pytest.approx(0.8)  # never tried: a refusal ends a draft
+    for _ in range(20):
+        rates.record(9, drafted=2, accepted=2)  # longer than 6: one rate for all of them
+    assert rates.chance(6) == rates.chance(40) > 0.9
+    assert rates.runs(3, 2) == pytest.approx([rates.chance(3), rates.chance(3) * rates.chance(4)])
+    assert rates.likeliest() == max(rates.chance(n) for n in range(1, 7))
+
+
+def test_a_request_that_beats_the_model_wide_rates_has_its_guesses_weighed_likelier():
+    state = DraftState(NgramDrafter(2, 3), length=2)
+    assert state.odds() == 1.0  # no record: the model's rates as they are
+    for _ in range(10):
+        state.scored(kept=4, tried=4, expected=3.2)  # all kept where 80% were expected
+    assert state.odds() > 3
+    rates = KeepRates(longest=6)
+    assert rates.runs(3, 1, state.odds())[0] > 0.9 > rates.runs(3, 1)[0] == pytest.approx(0.8)
+    for _ in range(10):
+        state.scored(kept=0, tried=1, expected=0.8)  # then every first guess refused
+    assert state.odds() < 0.5 and rates.runs(3, 1, state.odds())[0] < 0.7
 
 
 def test_a_request_whose_guesses_do_not_pay_still_guesses_one_now_and_then():
-    spec = Speculator(SpecConfig(ngram_min=1, ngram_max=2, draft_max=8))
-    _measured(spec)
+    spec = _measured(Speculator(SpecConfig(ngram_min=1, ngram_max=2, draft_max=8)))
     req = Request("r", [5] * 30, sampling(max_tokens=500))  # every guess right: 5 follows 5
-    assert spec.draft(req, 8, decoding=1) == [5]  # the prior rate (0.5) pays one guess
-    spec.verified(req, 2, 0)  # refused: its rate falls, and one guess no longer pays at 8
-    spec.verified(req, 1, 0)
     sizes = []
-    for _ in range(2 * 16):
+    for _ in range(2 * 64):
         req.append_output(5)
-        sizes.append(len(spec.draft(req, 8, decoding=8)))
-    assert sizes.count(1) == 2 and set(sizes) == {0, 1}  # a probe every 16 tokens
-    state = spec._states["r"]
-    assert state.rate(0.5) < 0.5
+        sizes.append(len(spec.draft(req, 8, decoding=8)))  # a wide step: nothing pays
+    assert sizes.count(1) == 2 and set(sizes) == {0, 1}  # a probe every 64 tokens
     for _ in range(30):
-        spec.verified(req, 1, 1)  # the probes are kept: the rate climbs back
-    assert state.rate(0.5) > 0.8
+        spec.rates.record(2, 1, 1)  # what the probes found: guesses here are kept
+    assert spec.draft(req, 8, decoding=1) == [5]  # alone, a likely guess pays
 
 
-def test_where_a_guess_is_cheap_a_one_token_match_is_followed():
-    """One request decoding (bar 5/11, under half a token): a request that just departed
-    from its prompt guesses from its last token alone, as long as that match is (one token,
-    then more as the match grows). Two or more (bar 10/16 and up): only n-grams of
-    ngram_min or more."""
+def test_once_costs_are_timed_every_match_length_is_looked_up_and_its_rate_decides():
+    """Before any cost is timed, guesses follow ngram_min and longer. After, a request that
+    just departed from its prompt guesses from its last token alone, while one-token
+    matches are kept often enough to pay."""
     config = SpecConfig(ngram_min=3, ngram_max=6, draft_max=8)
 
     def departed() -> Request:
@@ -132,19 +177,19 @@ def test_where_a_guess_is_cheap_a_one_token_match_is_followed():
             req.append_output(token)
         return req
 
-    unmeasured = Speculator(config)
-    assert unmeasured.draft(departed(), 8, decoding=1) == []  # no cost known: ngram_min
-    wide = Speculator(config)
-    _measured(wide)
-    assert wide.bar(1) < 0.5 < wide.bar(2)
-    assert wide.draft(departed(), 8, decoding=2) == []
-    alone = Speculator(config)
-    _measured(alone)
+    assert Speculator(config).draft(departed(), 8, decoding=1) == []  # ngram_min
+    alone = _measured(Speculator(config), CHEAP)
     req = departed()
-    assert alone.draft(req, 8, decoding=1) == [10]
+    assert alone.draft(req, 8, decoding=1) == [10]  # a one-token match: one guess
     req.append_output(10)  # kept: the two-token match 9 10 guesses two tokens
     alone.verified(req, 1, 1)
     assert alone.draft(req, 8, decoding=1) == [11, 12]
+    picky = _measured(Speculator(config), CHEAP)
+    for _ in range(20):
+        picky.rates.record(1, 1, 0)  # one-token matches here are never kept
+    req = departed()
+    assert picky.draft(req, 8, decoding=1) == [10]  # a probe
+    assert picky.draft(req, 8, decoding=1) == []
     # A drafter asked for its ngram_min only follows that, whatever its floor holds.
     assert NgramDrafter(3, 6, floor=1).propose([7, 8, 9, 5, 9], 4) == []
     assert NgramDrafter(3, 6, floor=1).propose_matched([7, 8, 9, 5, 9], 4, shortest=1) == (
@@ -170,6 +215,9 @@ def test_recent_sequences_continue_the_longest_match_the_newest_on_a_tie():
     assert recent.propose([1, 2, 3], 4) == (3, [4, 5])  # longer in the older one: it wins
     assert recent.propose([5, 6], 4) == (0, [])  # "5 6" ends its sequence: nothing follows
     assert recent.propose([0, 0, 0], 4) == (0, [])
+    # Only a match longer than one already found counts; the guess is as long as before.
+    assert recent.propose([5, 9, 2, 3], 4, above=2) == (3, [7, 8])
+    assert recent.propose([5, 9, 2, 3], 4, above=3) == (0, [])
 
 
 def test_recent_sequences_are_bounded_oldest_out():
