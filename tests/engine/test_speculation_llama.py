@@ -19,7 +19,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.ngram import NgramDrafter
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.speculation import SpecConfig, Speculator
+from ferrum.engine.speculation import SpecConfig, StepCosts
 from tests.factories import run_to_completion, sampling
 
 PROMPTS = [
@@ -95,11 +95,11 @@ def test_models_that_cannot_roll_back_never_speculate(model, request):
 
 
 def test_one_token_matches_of_a_request_decoding_alone_change_no_output(tiny_llama, monkeypatch):
-    """ngram_min 3, one request at a time, where a guess costs under half a token: matches
-    shorter than 3 tokens are followed too. (The tiny model's decode times are too small to
-    fit reliably, so the cost is set: 0.4 of a token alone, 0.9 with others.)"""
+    """ngram_min 3, one request at a time, decode costs timed: matches shorter than 3 tokens
+    are looked up too, and followed while their rate pays. (The tiny model's decode times
+    are too small to time reliably, so the cost is set: a position 0.4 of a token.)"""
     spec = SpecConfig(draft_max=8, ngram_min=3, ngram_max=6)
-    monkeypatch.setattr(Speculator, "bar", lambda self, decoding: 0.4 if decoding == 1 else 0.9)
+    monkeypatch.setattr(StepCosts, "seconds", lambda self, positions: 0.006 + 0.004 * positions)
     follow = NgramDrafter.follow
     matched: list[int] = []  # the length of each match found
 

@@ -323,8 +323,8 @@ class NgramEngineMachine(SpeculatingEngineMachine):
 
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
         # Decodes timed as 2 CPU cores time them: the guesses must also pay (Speculator.paying).
-        # ngram_min 2: a request decoding alone (bar 5/11, under half a token) also follows
-        # one-token matches, others only two or more, so both rules meet random traffic.
+        # ngram_min 2: once decodes are timed, one-token matches are looked up too and their
+        # own rate decides, so guesses from every match length meet random traffic.
         runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6),
                             decode_cost=(0.006, 0.005))  # fmt: skip
         spec = SpecConfig(draft_max=4, batch_max=8, ngram_min=2, ngram_max=4)
