@@ -38,29 +38,21 @@ for sliding-window models (the window cache may recycle cells a rollback needs a
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
-from statistics import median
 from typing import Protocol
 
 from ferrum.config import EngineConfig
 from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
+from ferrum.engine.spec_pricing import KeepRates, StepCosts
 
 _FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
 _PAUSE_TOKENS = 32  # tokens generated after that following long matches only
 _PROBE_EVERY = 64  # output tokens between single guesses while none pays (to re-measure)
-_CHEAP_NGRAM_MIN = 1  # once decode costs are measured, matches this short are looked up
-# How often a guess is kept, per match length: a new length starts at _PRIOR_KEPT as if
-# seen _PRIOR_TRIES times (hopeful, so a length is tried before it is judged); each new
-# guess weighs its length's older evidence down by _KEPT_DECAY.
-_PRIOR_KEPT = 0.8
-_PRIOR_TRIES = 2.0
-_KEPT_DECAY = 0.98
-# A request's own record of kept guesses against what those rates expected: each draft
-# weighs the older ones down by _OWN_DECAY; see DraftState.odds for _OWN_PRIOR.
+_SHORTEST_MATCH = 1  # once decode costs are measured, matches this short are looked up
+# A request's own record of kept guesses against what the model-wide KeepRates expected:
+# each draft weighs the older ones down by _OWN_DECAY; see DraftState.odds for _OWN_PRIOR.
 _OWN_DECAY = 0.9
 _OWN_PRIOR = 1.0
 
@@ -132,115 +124,6 @@ class DraftState:
             self.paused_until = num_output + _PAUSE_TOKENS
 
 
-class StepCosts:
-    """A decode's seconds by its number of positions: the median of each size's latest
-    timings, made non-decreasing, between sizes a straight line, past the largest the
-    cheapest slope between two of them. Not one line for all sizes: on 2 CPU cores two
-    positions cost 1.9x one and four 3.1x, so a line fitted to all of them would price the
-    first guess at two thirds of a token where it costs nine tenths."""
-
-    KEEP = 9  # timings per size
-
-    def __init__(self) -> None:
-        self._timings: dict[int, deque[float]] = {}
-        self._medians: dict[int, float] = {}
-        self._table: list[tuple[int, float]] | None = None  # (size, seconds), rising
-        self._slope = 0.0  # seconds per position past the largest size timed
-        self._known: dict[int, float | None] = {}  # seconds() since the last timing
-
-    def add(self, positions: int, seconds: float) -> None:
-        timings = self._timings.get(positions)
-        if timings is None:
-            timings = self._timings[positions] = deque(maxlen=self.KEEP)
-        timings.append(seconds)
-        self._medians[positions] = median(timings)
-        self._table = None
-        self._known.clear()
-
-    def seconds(self, positions: int) -> float | None:
-        """The expected seconds of a decode of `positions`; None until two sizes, one of
-        them no larger, are timed."""
-        if positions not in self._known:
-            self._known[positions] = self._estimate(positions)
-        return self._known[positions]
-
-    def _estimate(self, positions: int) -> float | None:
-        table = self._rising()
-        if len(table) < 2 or positions < table[0][0]:
-            return None
-        below = table[0]
-        for size, secs in table:
-            if size == positions:
-                return secs
-            if size > positions:
-                return below[1] + (secs - below[1]) * (positions - below[0]) / (size - below[0])
-            below = size, secs
-        last, high = table[-1]
-        return high + self._slope * (positions - last)
-
-    def _rising(self) -> list[tuple[int, float]]:
-        if self._table is None:
-            table, top = [], 0.0
-            for size in sorted(self._medians):
-                top = max(top, self._medians[size])
-                table.append((size, top))
-            self._table = table
-            # Past the largest size timed, the cheapest position seen between two sizes: a
-            # hopeful guess, so that a wider decode is tried, timed and then known.
-            slopes = [(b - a) / (m - n) for (n, a), (m, b) in pairwise(table) if b > a]
-            self._slope = min(slopes) if slopes else 0.0
-        return self._table
-
-
-class KeepRates:
-    """How often a guess is kept, by the length of the n-gram match it follows: the stronger
-    the evidence, the likelier the guess (on stories here, 47% after a 3-token match, 95%
-    after a match of ngram_max). The j-th guess of a draft from an n-token match follows an
-    (n + j - 1)-token match once the guesses before it held. Lengths of `longest` and more
-    share one rate."""
-
-    def __init__(self, longest: int) -> None:
-        self._longest = longest
-        self._kept = [0.0] * (longest + 1)
-        self._tried = [0.0] * (longest + 1)
-        self._likeliest: float | None = None
-
-    def chance(self, match: int) -> float:
-        """The chance that a guess following a `match`-token match is kept."""
-        i = min(match, self._longest)
-        return (self._kept[i] + _PRIOR_KEPT * _PRIOR_TRIES) / (self._tried[i] + _PRIOR_TRIES)
-
-    def likeliest(self) -> float:
-        """The highest chance of any match length."""
-        if self._likeliest is None:
-            self._likeliest = max(self.chance(n) for n in range(1, self._longest + 1))
-        return self._likeliest
-
-    def runs(self, match: int, k: int, odds: float = 1.0) -> list[float]:
-        """For j = 1..k: the chance that the first j guesses of a draft are all kept, each
-        guess's odds times `odds` (a request's own record against these rates)."""
-        out, chance = [], 1.0
-        for j in range(k):
-            p = self.chance(match + j)
-            p = p * odds / (1 - p + p * odds)
-            chance *= p
-            out.append(chance)
-        return out
-
-    def expected(self, match: int, tried: int) -> float:
-        """How many of a draft's first `tried` guesses these rates expected kept."""
-        return sum(self.chance(match + j) for j in range(tried))
-
-    def record(self, match: int, drafted: int, accepted: int) -> None:
-        """A draft from a `match`-token match: each guess up to the first refused was tried
-        at its own length."""
-        for j in range(min(drafted, accepted + 1)):
-            i = min(match + j, self._longest)
-            self._kept[i] = self._kept[i] * _KEPT_DECAY + (j < accepted)
-            self._tried[i] = self._tried[i] * _KEPT_DECAY + 1
-        self._likeliest = None
-
-
 @dataclass
 class Proposal:
     """One request's guess for the step, before the step's drafts are cut."""
@@ -271,7 +154,7 @@ class Speculator:
 
     config: SpecConfig
     make_drafter: Callable[[SpecConfig], Drafter] = lambda c: NgramDrafter(
-        c.ngram_min, c.ngram_max, floor=_CHEAP_NGRAM_MIN
+        c.ngram_min, c.ngram_max, floor=_SHORTEST_MATCH
     )
     drafted: int = 0
     accepted: int = 0
@@ -328,10 +211,7 @@ class Speculator:
         in the step (default: these)."""
         width = max(len(reqs), decoding or 0)
         measured = self.costs.seconds(width) is not None
-        # Not worth a lookup where even guesses as likely as the likeliest would not pay.
-        best = self.rates.likeliest()
-        likeliest = [best**j for j in range(1, min(room, self.config.draft_max) + 1)]
-        hopeless = measured and not any(self.paying(width, [likeliest] * len(reqs), limit) or ())
+        hopeless = measured and self._hopeless(width, len(reqs), room, limit)
         proposals = [self._propose(req, room, measured, hopeless) for req in reqs]
         counts = self.paying(width, [p.runs for p in proposals], limit)
         if counts is None:  # no bound but the draft lengths
@@ -349,6 +229,13 @@ class Speculator:
                 state.match = p.match if n else 0
             drafts.append(p.guess[:n])
         return drafts
+
+    def _hopeless(self, width: int, drafting: int, room: int, limit: int | None) -> bool:
+        """Not worth a lookup: even `drafting` drafts of guesses as likely as the likeliest
+        would not pay in a step of `width`."""
+        best = self.rates.likeliest()
+        likeliest = [best**j for j in range(1, min(room, self.config.draft_max) + 1)]
+        return not any(self.paying(width, [likeliest] * drafting, limit) or ())
 
     def draft(self, req: Request, room: int, decoding: int = 1) -> list[int]:
         """Up to `room` draft tokens for req's next step, with `decoding` requests decoding in
@@ -380,7 +267,7 @@ class Speculator:
         # Once costs are measured, every match length is looked up and its own rate decides;
         # before, only ngram_min and longer. A request whose guesses kept failing departed
         # from what it followed: for a while only a match longer than ngram_min counts.
-        shortest = _CHEAP_NGRAM_MIN if measured else None
+        shortest = _SHORTEST_MATCH if measured else None
         if paused:
             shortest = self.config.ngram_min + 1
         # The longer match is the better evidence: a repeated request's own prompt may match
@@ -397,9 +284,8 @@ class Speculator:
         state = self._states.get(req.request_id)
         if state is not None:
             if state.match:
-                tried = min(drafted, accepted + 1)
-                state.scored(accepted, tried, self.rates.expected(state.match, tried))
-                self.rates.record(state.match, drafted, accepted)
+                tried = min(drafted, accepted + 1)  # each kept guess and the first refused
+                state.scored(accepted, tried, self.rates.record(state.match, tried, accepted))
             state.update(drafted, accepted, self.config.draft_max, req.num_output_tokens)
 
     def forget(self, req: Request) -> None:

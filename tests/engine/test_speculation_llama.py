@@ -19,7 +19,8 @@ from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.ngram import NgramDrafter
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.speculation import SpecConfig, StepCosts
+from ferrum.engine.spec_pricing import StepCosts
+from ferrum.engine.speculation import SpecConfig
 from tests.factories import run_to_completion, sampling
 
 PROMPTS = [

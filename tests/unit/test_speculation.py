@@ -12,13 +12,8 @@ import pytest
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.speculation import (
-    DraftState,
-    KeepRates,
-    SpecConfig,
-    Speculator,
-    StepCosts,
-)
+from ferrum.engine.spec_pricing import KeepRates, StepCosts
+from ferrum.engine.speculation import DraftState, SpecConfig, Speculator
 from tests.factories import (
     EOS,
     FakeRunner,
@@ -128,11 +123,11 @@ def test_keep_rates_are_by_match_length_and_a_guess_is_tried_at_its_own():
     rates = KeepRates(longest=6)
     assert rates.chance(3) == pytest.approx(0.8)  # hopeful before any evidence
     for _ in range(20):
-        rates.record(3, drafted=3, accepted=1)  # kept after 3 tokens, refused after 4
+        rates.record(3, tried=2, accepted=1)  # kept after 3 tokens, refused after 4
     assert rates.chance(3) > 0.9 and rates.chance(4) < 0.2
     assert rates.chance(5) == pytest.approx(0.8)  # never tried: a refusal ends a draft
     for _ in range(20):
-        rates.record(9, drafted=2, accepted=2)  # longer than 6: one rate for all of them
+        rates.record(9, tried=2, accepted=2)  # longer than 6: one rate for all of them
     assert rates.chance(6) == rates.chance(40) > 0.9
     assert rates.runs(3, 2) == pytest.approx([rates.chance(3), rates.chance(3) * rates.chance(4)])
     assert rates.likeliest() == max(rates.chance(n) for n in range(1, 7))
