@@ -108,6 +108,17 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_keys(args: argparse.Namespace) -> None:
+    """A key flag given but empty (`--api-key ","`) would silently run the server open."""
+    for name in ("api_key", "admin_key"):
+        given = list(getattr(args, name) or [])
+        env = os.environ.get(f"FERRUM_{name.upper()}")
+        if getattr(args, name) is None and env is not None:
+            given.append(env)
+        if given and not any(k.strip() for item in given for k in item.split(",")):
+            raise ValueError(f"--{name.replace('_', '-')} was given but holds no key")
+
+
 def _check(engine: EngineConfig, models: ModelsConfig) -> None:
     if models.max_models < 0:
         raise ValueError("--max-models must be 0 (no limit) or more")
@@ -194,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        _check_keys(args)
         _check(engine_cfg, models_cfg)
         if args.command == "cluster":
             _cluster(

@@ -187,7 +187,52 @@ class ServerConfig:
     )
     api_key: tuple[str, ...] = field(
         default=(),
-        metadata=_flag("--api-key", help="required Bearer key (repeat or comma-separate)"),
+        metadata=_flag(
+            "--api-key",
+            help="a user key (repeat or comma-separate): generates, embeds and reads its own "
+            "stored responses; with any key set, every route needs one",
+        ),
+    )
+    admin_key: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "--admin-key",
+            help="an admin key (repeat or comma-separate): also pulls, copies, deletes, loads "
+            "and unloads models, and sets any keep_alive",
+        ),
+    )
+    keys_file: str = field(
+        default="",
+        metadata=_flag(
+            "--keys-file",
+            help="a file of keys, one a line as 'user KEY' or 'admin KEY' (kept out of the "
+            "process list), added to --api-key and --admin-key",
+        ),
+    )
+    open_admin: bool = field(
+        default=False,
+        metadata=_flag(
+            "--open-admin",
+            help="without any key, let every client pull, copy, delete, load and unload models "
+            "(refused by default: a server without keys only serves)",
+        ),
+    )
+    share_prefix_cache: bool = field(
+        default=False,
+        metadata=_flag(
+            "--share-prefix-cache",
+            help="let every key's requests reuse each other's prompt prefixes (by default each "
+            "key, or each cache_salt, reuses only its own: another key could otherwise learn a "
+            "prompt from cached_tokens or timing)",
+        ),
+    )
+    max_keep_alive: str = field(
+        default="1h",
+        metadata=_flag(
+            "--max-keep-alive",
+            help="the longest keep_alive a user key may ask for (-1 is taken as this); a user "
+            "key cannot shorten a model's keep-alive below the server's (admin keys: any)",
+        ),
     )
     max_queue: int = field(
         default=256,

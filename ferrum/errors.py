@@ -47,6 +47,15 @@ class AuthenticationError(FerrumError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(FerrumError):
+    """A valid key without the role the route needs (the model store's routes need an admin
+    key)."""
+
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
 class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 

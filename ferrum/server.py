@@ -10,6 +10,7 @@ import logging
 from fastapi import FastAPI
 
 from ferrum.api.app import ServerState, create_app
+from ferrum.api.auth import Keys
 from ferrum.api.chat_template import ChatFormatter, resolve_template
 from ferrum.api.loaded import EmbeddingModel, Loaded, ServedModel
 from ferrum.api.preparation import Preparer
@@ -191,12 +192,22 @@ def build_server(
         models=registry,
         metrics=metrics,
         store=store,
-        api_keys=server_cfg.api_key,
+        keys=Keys.from_config(
+            server_cfg.api_key, server_cfg.admin_key, server_cfg.keys_file, server_cfg.open_admin
+        ),
         public_metrics=server_cfg.public_metrics,
+        share_prefix_cache=server_cfg.share_prefix_cache,
+        max_keep_alive=parse_duration(server_cfg.max_keep_alive),
         request_timeout=server_cfg.request_timeout,
         split_think=not server_cfg.reasoning_inline,
         responses_store_bytes=_store_bytes(server_cfg.responses_store),
     )
+    if not state.keys.required:
+        log.warning(
+            "no API key: every client that can reach %s:%d may use the server%s (set "
+            "--api-key and --admin-key, or --keys-file)", server_cfg.host, server_cfg.port,
+            " and change its models (--open-admin)" if server_cfg.open_admin else "",
+        )
     names = ", ".join(s.name for s in specs)
     summary = (
         f"ferrum serving {len(specs)} model(s) ({names}; default {registry.default}) "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
+from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.anthropic import error_response as anthropic_error
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
@@ -115,30 +115,22 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(err, request.url.path)
 
 
-def check_gate(api_keys: tuple[str, ...], public_metrics: bool, request: Request) -> None:
+def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:
     """The API key and the body size, as every route checks them first (a cluster's ingress
-    too, before it reads a body)."""
-    _check_api_key(api_keys, public_metrics, request)
-    _check_body_size(request)
-
-
-def _check_api_key(api_keys: tuple[str, ...], public_metrics: bool, request: Request) -> None:
+    too, before it reads a body). The caller found is kept in the request's scope for the
+    routes (`auth.caller_of`). /health answers without a key (liveness only, `health`)."""
     path = request.url.path
-    if not api_keys or path == "/health" or (path == "/metrics" and public_metrics):
-        return
-    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-    # A bearer token (OpenAI's clients) or x-api-key (Anthropic's); compare_digest against
-    # every key: the time taken does not say which key came close.
-    given = [bearer.strip() if scheme.lower() == "bearer" else None]
-    given.append(request.headers.get("x-api-key"))
-    ok = any(
-        hmac.compare_digest(key.encode(), k.encode())
-        for key in given
-        if key is not None
-        for k in api_keys
-    )
-    if not ok:
-        raise AuthenticationError("invalid or missing API key")
+    try:
+        remember(request.scope, keys.caller(request.headers))
+    except AuthenticationError:
+        if path == "/health" or (path == "/metrics" and public_metrics):
+            pass
+        else:
+            client = request.client.host if request.client else "?"
+            log.warning("refused %s %s from %s: invalid or missing API key",
+                        request.method, path, client)  # fmt: skip
+            raise
+    _check_body_size(request)
 
 
 def _check_body_size(request: Request) -> None:
@@ -162,7 +154,7 @@ class _Gate:
         if scope["type"] == "http":
             request = Request(scope)
             try:
-                check_gate(self.state.api_keys, self.state.public_metrics, request)
+                check_gate(self.state.keys, self.state.public_metrics, request)
             except FerrumError as exc:
                 await error_response(exc, request.url.path)(scope, receive, send)
                 return
@@ -219,21 +211,21 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @_route(app, "POST", "/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        lease = await acquire_chat(state, body.model, body.keep_alive)
+        lease = await acquire_chat(state, request, body.model, body.keep_alive)
         return await complete(state, request, body, prepare_chat, lease)
 
     @_route(app, "POST", "/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        lease = await acquire_chat(state, body.model, body.keep_alive)
+        lease = await acquire_chat(state, request, body.model, body.keep_alive)
         return await complete(state, request, body, prepare_completion, lease)
 
     @_route(app, "POST", "/v1/embeddings")
-    async def create_embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        return await embeddings(state, body)
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        return await embeddings(state, request, body)
 
     @_route(app, "POST", "/v1/rerank")
-    async def create_rerank(body: RerankRequest) -> dict[str, Any]:
-        return await rerank(state, body)
+    async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
+        return await rerank(state, request, body)
 
     @_route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
@@ -251,9 +243,13 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     """The server's own routes: health, metrics and the tokenizer."""
 
     @_route(app, "GET", "/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         loaded = state.models.loaded()
         ok = all(m.model.alive for m in loaded)
+        if state.keys.required and not caller_of(request).tenant:
+            # Liveness for anyone (a load balancer's probe); which models run, their load
+            # and cache figures only for a key.
+            return JSONResponse({"status": "ok" if ok else "error"}, 200 if ok else 503)
         per_model = {m.spec.name: state.metrics.snapshot(m.spec.name) for m in loaded}
         body = {
             "status": "ok" if ok else "error",
@@ -268,8 +264,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @_route(app, "POST", "/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        lease = await acquire(state, body.model)
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        lease = await acquire(state, request, body.model)
         try:
             tokens = await asyncio.to_thread(
                 lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
@@ -279,8 +275,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
         return {"tokens": tokens}
 
     @_route(app, "POST", "/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        lease = await acquire(state, body.model)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        lease = await acquire(state, request, body.model)
         try:
             tokens = check_token_ids(_n_vocab(lease.model), body.tokens, "tokens")
             data = b"".join(lease.model.vocab.token_bytes(t) for t in tokens)

@@ -158,8 +158,8 @@ def _count(model: Loaded, inputs: int, tokens: int) -> None:
     model.metrics.on_embedding_request(inputs, tokens)
 
 
-async def embeddings(state: ServerState, body: EmbeddingRequest) -> dict[str, Any]:
-    lease = await acquire(state, body.model, body.keep_alive)
+async def embeddings(state: ServerState, http: Any, body: EmbeddingRequest) -> dict[str, Any]:
+    lease = await acquire(state, http, body.model, body.keep_alive)
     try:
         n_embd = embedder_of(lease).info.n_embd
         if body.dimensions is not None and body.dimensions != n_embd:
@@ -184,9 +184,9 @@ async def embeddings(state: ServerState, body: EmbeddingRequest) -> dict[str, An
     }
 
 
-async def rerank(state: ServerState, body: RerankRequest) -> dict[str, Any]:
+async def rerank(state: ServerState, http: Any, body: RerankRequest) -> dict[str, Any]:
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    lease = await acquire(state, body.model, body.keep_alive)
+    lease = await acquire(state, http, body.model, body.keep_alive)
     try:
         embedder = embedder_of(lease)
         if embedder.info.pooling == "rank":

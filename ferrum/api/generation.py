@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
+from ferrum.api.auth import caller_of
 from ferrum.api.loaded import ServedModel
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import failure
@@ -151,7 +152,7 @@ async def serve(
         body = with_defaults(model, body)
         prepared = await prepare(prepare_fn, model, body)
         answer.begin(prepared)
-        sub = submit(state, model, body, prepared, whole=not answer.stream)
+        sub = submit(state, caller_of(http), model, body, prepared, whole=not answer.stream)
     except BaseException:
         lease.release()
         raise

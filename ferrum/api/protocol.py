@@ -181,6 +181,9 @@ class _SamplingBody(_Body):
     # Extension: n-gram speculation for this request (None: the server's --spec-type). The
     # output is the same either way; false saves the guessing where it cannot pay.
     speculate: bool | None = None
+    # Extension (vLLM's name): the request reuses, and leaves for reuse, only prompt prefixes
+    # of requests with the same salt (`ferrum.api.auth.cache_scope`).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -15,12 +15,13 @@ import dataclasses
 import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,8 +48,10 @@ class ServerState:
     models: Registry[Loaded]
     metrics: ServerMetrics
     store: ModelStore | None = None  # None: pulls and deletes through the API are refused
-    api_keys: tuple[str, ...] = ()
+    keys: Keys = field(default_factory=Keys)
     public_metrics: bool = False
+    share_prefix_cache: bool = False  # --share-prefix-cache: one cache scope for every key
+    max_keep_alive: float = 3600.0  # --max-keep-alive: the most a user key may ask for
     split_think: bool = True
     request_timeout: float = 0.0  # --request-timeout; 0: none
     responses_store_bytes: int = 64 * 1024 * 1024  # --responses-store; 0: responses not kept
@@ -143,18 +146,22 @@ def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> 
 
 
 async def acquire(
-    state: ServerState, name: str, keep_alive: str | float | None = None
+    state: ServerState, http: Any, name: str, keep_alive: str | float | None = None
 ) -> Lease[Loaded]:
     """The named model, loaded if need be; the caller must release the lease (or hand it to
-    `complete`, which always does)."""
-    return await state.models.acquire(name, keep_alive_seconds(keep_alive))
+    `complete`, which always does). A keep_alive from a caller who is not an admin is bounded
+    (`Registry.acquire`): one user cannot pin a model for everyone, nor unload it under them."""
+    seconds = keep_alive_seconds(keep_alive)
+    free = caller_of(http).admin or state.max_keep_alive < 0
+    bound = None if free else state.max_keep_alive
+    return await state.models.acquire(name, seconds, bound)
 
 
 async def acquire_chat(
-    state: ServerState, name: str, keep_alive: str | float | None = None
+    state: ServerState, http: Any, name: str, keep_alive: str | float | None = None
 ) -> Lease[ServedModel]:
     """`acquire` for the routes that generate: an embedding model is a 400 naming it."""
-    lease = await acquire(state, name, keep_alive)
+    lease = await acquire(state, http, name, keep_alive)
     model = lease.model
     if not isinstance(model, ServedModel):
         lease.release()
@@ -188,13 +195,16 @@ def with_defaults(model: ServedModel, body: B) -> B:
 
 def submit(
     state: ServerState,
+    caller: Caller,
     model: ServedModel,
     body: ChatCompletionRequest | CompletionRequest,
     prepared: Prepared,
     whole: bool,
 ) -> Submission:
     """The request's n choices on the engine; `whole`: the answer is not streamed, so each
-    choice's stream holds one output, the finished one."""
+    choice's stream holds one output, the finished one. The caller decides the request's
+    cache scope and whom its decode slots count against (the key; per request on a server
+    without keys)."""
     engine = model.engine
     prompt, kind = prepared.prompt, prepared.kind
     engine.check_capacity(body.n)
@@ -204,6 +214,11 @@ def submit(
     max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
     params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
+    params = dataclasses.replace(
+        params,
+        cache_scope=cache_scope(caller, body.cache_salt, state.share_prefix_cache),
+        tenant=caller.tenant or request_id,
+    )
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     streams = [
@@ -246,7 +261,7 @@ async def complete(
         model = lease.model
         body = with_defaults(model, body)
         prepared = await prepare(prepare_fn, model, body)
-        sub = submit(state, model, body, prepared, whole=not body.stream)
+        sub = submit(state, caller_of(http), model, body, prepared, whole=not body.stream)
     except BaseException:
         lease.release()
         raise

@@ -33,6 +33,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ferrum.api.anthropic.errors import error_body as anthropic_error_body
 from ferrum.api.anthropic.errors import speaks_anthropic
 from ferrum.api.app import check_gate, error_response
+from ferrum.api.auth import Keys, caller_of
 from ferrum.cluster.board import Board, board_name
 from ferrum.cluster.keys import (
     PromptKeys,
@@ -78,6 +79,10 @@ class Relay:
         self._no_keys: dict[str, float] = {}  # model → until when it is not tried again
         self.board = self._board()
         self._pins: OrderedDict[str, str] = OrderedDict()  # response id → replica holding it
+        server = settings.server
+        self.gate_keys = Keys.from_config(
+            server.api_key, server.admin_key, server.keys_file, server.open_admin
+        )
 
     # -- the cluster's own routes -----------------------------------------------------------
 
@@ -99,18 +104,21 @@ class Relay:
 
     async def metrics(self, request: Request) -> Response:
         try:
-            check_gate(self.settings.server.api_key, self.settings.server.public_metrics, request)
+            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
         except FerrumError as exc:
             return _error(request.url.path, exc)
         posts = await self._posts()
         text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
 
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
+        check_gate(self.gate_keys, self.settings.server.public_metrics, request)
         posts = await self._posts()
         replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
-        body = {"status": "ok" if ok else "error", "replicas": replicas}
+        body: dict[str, Any] = {"status": "ok" if ok else "error"}
+        if not self.gate_keys.required or caller_of(request).tenant:
+            body["replicas"] = replicas  # which models run where: for a key only
         return JSONResponse(body, status_code=200 if ok else 503)
 
     # -- everything else, relayed -----------------------------------------------------------
@@ -118,7 +126,7 @@ class Relay:
     async def relay(self, request: Request) -> Response:
         path = request.url.path
         try:  # the key and size first, as `ferrum serve` checks them, before any work
-            check_gate(self.settings.server.api_key, self.settings.server.public_metrics, request)
+            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
         except FerrumError as exc:
             return _error(path, exc)
         body = await request.body()
@@ -254,7 +262,8 @@ def _stream_error(path: str, content_type: str, message: str) -> bytes:
     return b""  # a whole answer cut short: the client sees a truncated body
 
 
-http = FastAPI(title="ferrum cluster")
+# No docs of its own: /docs and /openapi.json are relayed like any route, behind the key.
+http = FastAPI(title="ferrum cluster", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @serve.ingress(http)
@@ -267,8 +276,8 @@ class FerrumIngress:
         return await self.relay.metrics(request)
 
     @http.get("/health")
-    async def health(self) -> JSONResponse:
-        return await self.relay.health()
+    async def health(self, request: Request) -> JSONResponse:
+        return await self.relay.health(request)
 
     @http.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, request: Request, path: str) -> Response:

@@ -31,6 +31,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from ferrum.api.auth import Keys
 from ferrum.api.loaded import ServedModel
 from ferrum.api.serving import ServerState
 from ferrum.cluster.board import board_name
@@ -116,8 +117,10 @@ class FerrumReplica:
 
     async def _get(self, path: str) -> bytes:
         headers = []
-        if self.settings.server.api_key:
-            headers.append((b"authorization", f"Bearer {self.settings.server.api_key[0]}".encode()))
+        server = self.settings.server
+        key = Keys.from_config(server.api_key, server.admin_key, server.keys_file, False).first
+        if key:  # an admin key if any: /health's details need a key
+            headers.append((b"authorization", f"Bearer {key}".encode()))
         chunks = []
         request = Relayed("GET", path, b"", headers, b"")
         async with contextlib.aclosing(asgi_call(self.app, request, [])) as items:

@@ -56,6 +56,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k ≥ 0: the sampled token's and k alternatives
     grammar: str | None = None  # GBNF (root rule "root") the output must match
     speculate: bool | None = None  # n-gram speculation for this request; None: the server's
+    # Whose prefix KV the request may reuse and leaves for reuse: only requests of the same
+    # scope share cached prefixes (resident, RAM or disk), so one key cannot read another's
+    # prompt from cached_tokens or timing. "" is one scope like any other.
+    cache_scope: str = ""
+    # Whom the request's decode slot counts against when slots are shared out fairly.
+    tenant: str = ""
 
     @property
     def greedy(self) -> bool:

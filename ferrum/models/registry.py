@@ -168,11 +168,15 @@ class Registry(Generic[T]):
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def acquire(self, name: str, keep_alive: float | None = None) -> Lease[T]:
+    async def acquire(
+        self, name: str, keep_alive: float | None = None, bound: float | None = None
+    ) -> Lease[T]:
         """The named model, loaded if need be, held until the lease is released.
 
         keep_alive: seconds to keep the model after this request (0: unload at once,
-        negative: keep for good, None: the model's preset, else the server's)."""
+        negative: keep for good, None: the model's preset, else the server's). bound: for a
+        caller who may not decide for everyone, keep_alive can only lengthen the model's own
+        keep-alive, up to `bound` seconds (keep for good is taken as `bound`)."""
         slot = self._slots[self.resolve(name).name]
         if slot.deleting:
             raise ModelBusy(f"model {slot.spec.name!r} is being deleted")
@@ -182,10 +186,14 @@ class Registry(Generic[T]):
         except BaseException:
             slot.in_flight -= 1
             raise
-        ttl = keep_alive
-        if ttl is None:
-            preset = slot.spec.preset.keep_alive
-            ttl = self.keep_alive if preset is None else preset
+        preset = slot.spec.preset.keep_alive
+        own = self.keep_alive if preset is None else preset
+        ttl = own if keep_alive is None else keep_alive
+        if bound is not None and own >= 0:
+            ttl = bound if ttl < 0 else min(ttl, bound)
+            ttl = max(ttl, own)
+        elif bound is not None:
+            ttl = own  # the model is kept for good anyway
         return Lease(slot.spec.name, model, lambda: self._release(slot, ttl))
 
     def _release(self, slot: _Slot[T], keep_alive: float) -> None:

@@ -12,6 +12,7 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.auth import Keys
 from tests.factories import FakeRunner, fake_app, model_info
 from tests.unit.test_api_tools import CALL, scripted
 
@@ -470,7 +471,7 @@ def test_model_routes_and_size_errors_in_anthropic_shape():
 
 
 def test_x_api_key_or_a_bearer_token():
-    with _client("Hi.", api_keys=("k1", "k2")) as client:
+    with _client("Hi.", keys=Keys(("k1", "k2"))) as client:
         for headers in ({}, {"x-api-key": "nope"}, {"authorization": "Bearer nope"}):
             for path in ("/v1/messages", "/v1/messages/count_tokens", "/messages"):
                 r = client.post(path, json=_body(), headers=headers)

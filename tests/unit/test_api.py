@@ -9,6 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.auth import Keys
 from tests.factories import FakeRunner, fake_app, model_info
 
 
@@ -151,7 +152,7 @@ def test_extra_fields_are_tolerated(client):
 
 
 def test_api_key_is_required_except_for_health():
-    with TestClient(fake_app(api_keys=("k1", "k2"))) as c:
+    with TestClient(fake_app(keys=Keys(("k1", "k2")))) as c:
         r = c.post("/v1/chat/completions", json=_chat())
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         bad = {"Authorization": "Bearer nope"}
@@ -293,10 +294,10 @@ def test_deadline_ends_the_request_and_frees_it():
 
 
 def test_metrics_can_be_public_while_the_api_needs_a_key():
-    with TestClient(fake_app(api_keys=("k",), public_metrics=True)) as c:
+    with TestClient(fake_app(keys=Keys(("k",)), public_metrics=True)) as c:
         assert c.get("/metrics").status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
-    with TestClient(fake_app(api_keys=("k",))) as c:
+    with TestClient(fake_app(keys=Keys(("k",)))) as c:
         assert c.get("/metrics").status_code == 401
 
 

@@ -35,7 +35,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def messages(request: Request) -> Response:
         body = await parse(request, MessagesBody)
         openai = chat_request(body)
-        lease = await acquire_chat(state, body.model)
+        lease = await acquire_chat(state, request, body.model)
         stops = tuple(body.stop_sequences or ())
         answer = MessageAnswer(lease.name, body.stream, body.shows_thinking, stops)
         try:
@@ -47,7 +47,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         """The prompt's length as the chat template renders it, tools included."""
         body = await parse(request, CountTokensBody)
         openai = chat_request(body)
-        lease = await acquire_chat(state, body.model)
+        lease = await acquire_chat(state, request, body.model)
         try:
             prepared = await prepare(prepare_chat, lease.model, openai)
         except InvalidRequest as exc:

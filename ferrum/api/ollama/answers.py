@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ferrum.api.auth import require_admin
 from ferrum.api.generation import Delta, Event, Finish, gathered, serve
 from ferrum.api.loaded import ServedModel
 from ferrum.api.ollama.bodies import (
@@ -44,6 +45,7 @@ from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
     Prepared,
     ServerState,
+    acquire,
     acquire_chat,
     keep_alive_seconds,
     prepare_chat,
@@ -200,27 +202,29 @@ async def _serve(
 
 
 async def _load_or_unload(
-    state: ServerState, name: str, keep_alive: str | float | None, chat: bool
+    state: ServerState, http: Request, name: str, keep_alive: str | float | None, chat: bool
 ) -> Response:
     """Ollama's idioms: a request with nothing to answer loads its model, or unloads it with
-    keep_alive 0. A model busy with requests is not unloaded under them (409)."""
+    keep_alive 0 (an admin's call: it ends the model for everyone). A model busy with requests
+    is not unloaded under them (409)."""
     seconds = keep_alive_seconds(keep_alive)
     spec = state.models.resolve(name)
     if seconds == 0:
+        require_admin(http, "unloading a model")
         if not await state.models.unload(spec.name):
             raise ModelBusy(f"model {spec.name!r} has requests in flight; it stays loaded")
         reason = "unload"
     else:
-        (await state.models.acquire(spec.name, seconds)).release()
+        (await acquire(state, http, spec.name, keep_alive)).release()
         reason = "load"
     return JSONResponse(_Shape(spec.name, chat).chunk(Delta(), _Done(reason, {})))
 
 
 async def _leased(
-    state: ServerState, body: Generation, clock: _Clock, chat: bool
+    state: ServerState, http: Request, body: Generation, clock: _Clock, chat: bool
 ) -> tuple[Lease[ServedModel], _Answer]:
     """The body's model, loaded if need be, and how to answer on it."""
-    lease = await acquire_chat(state, body.model, body.keep_alive)
+    lease = await acquire_chat(state, http, body.model, body.keep_alive)
     clock.loaded = time.perf_counter_ns()
     answer = _Answer(_Shape(lease.name, chat), body.stream, body.think is not False, clock)
     return lease, answer
@@ -233,9 +237,9 @@ def add_generation_routes(route: Route, state: ServerState) -> None:
         body = await parse(request, ChatBody)
         body.check()
         if not body.messages:
-            return await _load_or_unload(state, body.model, body.keep_alive, chat=True)
+            return await _load_or_unload(state, request, body.model, body.keep_alive, chat=True)
         openai = chat_request(body)
-        lease, answer = await _leased(state, body, clock, chat=True)
+        lease, answer = await _leased(state, request, body, clock, chat=True)
         return await _serve(state, request, lease, openai, prepare_chat, answer)
 
     @route("POST", "/api/generate")
@@ -244,9 +248,9 @@ def add_generation_routes(route: Route, state: ServerState) -> None:
         body = await parse(request, GenerateBody)
         body.check()
         if not body.prompt:
-            return await _load_or_unload(state, body.model, body.keep_alive, chat=False)
+            return await _load_or_unload(state, request, body.model, body.keep_alive, chat=False)
         openai = generate_request(body)
-        lease, answer = await _leased(state, body, clock, chat=False)
+        lease, answer = await _leased(state, request, body, clock, chat=False)
         if isinstance(openai, CompletionRequest):
             return await _serve(state, request, lease, openai, prepare_completion, answer)
         return await _serve(state, request, lease, openai, prepare_chat, answer)

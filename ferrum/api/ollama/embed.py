@@ -44,7 +44,7 @@ def add_embed_routes(route: Route, state: ServerState) -> None:
     async def embed(request: Request) -> Response:
         start = time.perf_counter_ns()
         body = await parse(request, EmbedBody)
-        lease = await acquire(state, body.model, body.keep_alive)
+        lease = await acquire(state, request, body.model, body.keep_alive)
         loaded = time.perf_counter_ns()
         try:
             n_embd = embedder_of(lease).info.n_embd
@@ -71,7 +71,7 @@ def add_embed_routes(route: Route, state: ServerState) -> None:
     @route("POST", "/api/embeddings")
     async def embeddings(request: Request) -> Response:
         body = await parse(request, EmbeddingsBody)
-        lease = await acquire(state, body.model, body.keep_alive)
+        lease = await acquire(state, request, body.model, body.keep_alive)
         try:
             vectors, _ = await embed_texts(lease, body.prompt, True)
         finally:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ferrum.api.auth import require_admin
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
@@ -275,6 +276,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
     async def pull_model(request: Request) -> Response:
         """Streams the pull's progress. The pull runs on when its client hangs up (a download
         cannot be cut half-way), and its model is served once it is complete."""
+        require_admin(request, "pulling a model")
         body = await parse(request, PullBody)
         store = _store(state)
         if parse_reference(body.ref).kind == "file":
@@ -295,6 +297,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
 
     @route("DELETE", "/api/delete")
     async def delete(request: Request) -> Response:
+        require_admin(request, "deleting a model")
         body = await parse(request, ModelRef)
         store, spec, manifest = await _stored(state, body.ref, "deleted")
 
@@ -309,6 +312,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
 
     @route("POST", "/api/copy")
     async def copy(request: Request) -> Response:
+        require_admin(request, "copying a model")
         body = await parse(request, CopyBody)
         store, _, source = await _stored(state, body.source, "copied")
         manifest = await asyncio.to_thread(store.copy, source.name, body.destination)

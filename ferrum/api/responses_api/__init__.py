@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from ferrum.api.auth import caller_of
 from ferrum.api.generation import serve
 from ferrum.api.responses_api.answers import ResponsesAnswer, new_id
 from ferrum.api.responses_api.bodies import (
@@ -76,23 +77,25 @@ def add_responses_routes(route: Route, state: ServerState) -> None:
     @route("POST", "/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         body.check()
-        history = store.conversation(body.previous_response_id) if body.previous_response_id else []
+        owner = caller_of(request).tenant
+        previous = body.previous_response_id
+        history = store.conversation(previous, owner) if previous else []
         turn = input_messages(body, history)
         chat = chat_request(body, history + turn)
-        lease = await acquire_chat(state, body.model, body.keep_alive)
+        lease = await acquire_chat(state, request, body.model, body.keep_alive)
         answer = ResponsesAnswer(_shell(body, lease.name, body.store and store.enabled),
-                                 body.stream, store, turn)  # fmt: skip
+                                 body.stream, store, turn, owner)  # fmt: skip
         try:
             return await serve(state, request, lease, chat, prepare_chat, answer)
         except InvalidRequest as exc:
             raise renamed(exc) from None
 
     @route("GET", "/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
-        return store.get(response_id).response
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return store.get(response_id, caller_of(request).tenant).response
 
     @route("DELETE", "/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict[str, Any]:
-        if not store.delete(response_id):
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        if not store.delete(response_id, caller_of(request).tenant):
             raise NotFound(f"no stored response {response_id!r}", param="response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}

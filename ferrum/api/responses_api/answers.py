@@ -183,12 +183,14 @@ def _usage(out: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
 class ResponsesAnswer:
     """How one request is answered (a `generation.Answer`): `shell` is the response object
     without its outcome (id, model, the request's settings echoed); a finished response is
-    stored with `turn` (this request's input as chat messages) unless store is false."""
+    stored with `turn` (this request's input as chat messages), as `owner`'s, unless store
+    is false."""
 
     shell: dict[str, Any]
     stream: bool
     store: ResponseStore
     turn: Messages
+    owner: str
     media_type: str = SSE
     _sequence: int = 0
 
@@ -219,7 +221,7 @@ class ResponsesAnswer:
         )
         if self.shell["store"]:
             turn = [*self.turn, items.as_message()]
-            self.store.put(response, turn, self.shell["previous_response_id"])
+            self.store.put(response, turn, self.shell["previous_response_id"], self.owner)
         return response
 
     def _failed(self, err: FerrumError) -> str:

@@ -7,6 +7,9 @@ conversation is read back by walking the parents, which touches each of them, so
 history of a conversation in use is never the first to go. A continuation whose history
 has been evicted in part is refused (404) rather than answered without it.
 
+Each entry belongs to the tenant (`ferrum.api.auth`) whose key made it: for any other key it
+does not exist (the same 404 as a response never stored, so no key learns which ids exist).
+
 The store lives on the event loop: no locks.
 """
 
@@ -28,6 +31,7 @@ class Stored:
     messages: Messages  # this turn: its input, then the assistant's output
     parent: str | None
     size: int
+    owner: str  # the tenant that made it
 
 
 class ResponseStore:
@@ -44,22 +48,25 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: dict[str, Any], messages: Messages, parent: str | None) -> None:
+    def put(
+        self, response: dict[str, Any], messages: Messages, parent: str | None, owner: str
+    ) -> None:
         if not self.enabled:
             return
-        entry = Stored(response, messages, parent, size_of(response) + size_of(messages))
+        size = size_of(response) + size_of(messages)
+        entry = Stored(response, messages, parent, size, owner)
         if entry.size > self.max_bytes:
             return  # larger than the whole store: keeping it would evict everything else
-        self.delete(response["id"])
+        self.delete(response["id"], owner)
         self._entries[response["id"]] = entry
         self.bytes += entry.size
         while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
             _, oldest = self._entries.popitem(last=False)
             self.bytes -= oldest.size
 
-    def get(self, response_id: str) -> Stored:
+    def get(self, response_id: str, owner: str) -> Stored:
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry.owner != owner:
             raise NotFound(
                 f"no stored response {response_id!r}: it was never stored (store: false), "
                 "was deleted, or was evicted from the store (--responses-store)",
@@ -68,13 +75,17 @@ class ResponseStore:
         self._entries.move_to_end(response_id)
         return entry
 
-    def delete(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry is not None
+    def delete(self, response_id: str, owner: str) -> bool:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            return False
+        del self._entries[response_id]
+        self.bytes -= entry.size
+        return True
 
-    def conversation(self, response_id: str, param: str = "previous_response_id") -> Messages:
+    def conversation(
+        self, response_id: str, owner: str, param: str = "previous_response_id"
+    ) -> Messages:
         """The chat messages of the conversation through `response_id`, oldest first."""
         turns: list[Messages] = []
         at: str | None = response_id
@@ -82,7 +93,7 @@ class ResponseStore:
         while at is not None and at not in seen:
             seen.add(at)
             try:
-                entry = self.get(at)
+                entry = self.get(at, owner)
             except NotFound:
                 what = "" if at == response_id else f" (its history, {at!r}, was evicted)"
                 raise NotFound(
