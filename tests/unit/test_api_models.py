@@ -9,13 +9,16 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.auth import Keys
 from ferrum.models.presets import Preset
 from ferrum.models.registry import ModelSpec
 from tests.factories import FakeRunner, fake_app
 
 
 def _two(**kw):
+    """Two models on a server whose callers may set any keep_alive (an admin's right)."""
     runners = {"alpha": FakeRunner, "beta": FakeRunner}
+    kw.setdefault("keys", Keys(open_admin=True))
     return TestClient(fake_app(models=runners, **kw))
 
 
@@ -169,7 +172,7 @@ def test_a_model_loaded_again_starts_on_an_empty_context():
 
     from tests.factories import fake_app
 
-    with TestClient(fake_app()) as client:
+    with TestClient(fake_app(keys=Keys(open_admin=True))) as client:
         body = {"model": "fake", "prompt": "top_logprobs"}  # no max_tokens: to the end
         assert client.post("/v1/completions", json=body).status_code == 200
         r = client.post("/api/chat", json={"model": "fake", "messages": [], "keep_alive": 0})
