@@ -140,6 +140,9 @@ def test_the_apis_and_their_errors_pass_through(cluster):
     assert no_tokens.status_code == 400 and no_tokens.json()["type"] == "error"
 
     assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]] == [MODEL]
+    # The ingress has no docs of its own (they were served without a key): a replica's are
+    # relayed, behind its gate like every route.
+    assert httpx.get(url + "/openapi.json", timeout=30).json()["info"]["title"] == "ferrum"
 
 
 def test_a_responses_conversation_finds_its_stored_history(cluster):
