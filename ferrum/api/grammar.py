@@ -9,12 +9,15 @@
 
 Any failure is a 400 naming the parameter. A keyword the converter would silently ignore (say
 `minimum`) is refused rather than accepted and not enforced: a client that sends it would
-otherwise get output that breaks its schema.
+otherwise get output that breaks its schema. A schema that would compile to a costly grammar
+(a million-item minItems, deep nesting, thousands of choices) is refused before conversion
+(schema_limits.py); the vocabulary bounds the conversion itself.
 
 Agents send the same schemas again and again, and checking plus converting a large one costs
 tens of milliseconds of Python: `GrammarBuilder` keeps the grammar of each schema it built
-(bounded, least recently used out), and the vocabulary keeps it parsed, so a repeated schema
-costs one dictionary lookup. Callers run it in a worker thread, never on the event loop.
+(bounded by count and by bytes, least recently used out), and the vocabulary keeps it
+parsed, so a repeated schema costs one dictionary lookup. Callers run it in a worker
+thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema_rs
 
 from ferrum.api.protocol import ResponseFormat
+from ferrum.api.schema_limits import check_limits, walk
 from ferrum.api.tool_calls import ToolFormat
 from ferrum.api.tool_request import Function, ToolRequest
 from ferrum.engine.batch import Vocabulary
+from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
 
 # Written from the JSON grammar (RFC 8259). Whitespace between tokens is bounded so that a
@@ -58,22 +62,22 @@ _ANNOTATIONS = {
     "deprecated", "readOnly", "writeOnly", "nullable", "strict",
 }  # fmt: skip
 _FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
-# Keywords whose values are maps of name → schema, and those whose values are schemas.
-_SCHEMA_MAPS = {"properties", "$defs", "definitions"}
-_SCHEMA_VALUES = {"items", "additionalProperties"}
-_SCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
 
 
+# Grammars kept: by count, and by bytes (key and grammar text, one byte a character for the
+# ASCII that schemas and GBNF are), so that large grammars cannot hold memory that a count
+# does not see: 256 typical grammars (5-20 KB) fit both; 16 MiB holds 16 of the largest the
+# vocabulary builds (MAX_GRAMMAR_BYTES).
 _KEPT = 256
+_KEPT_BYTES = 16 * 1024 * 1024
 
 
 class GrammarBuilder:
     """Builds (and keeps) the grammar of a request; thread-safe."""
 
-    def __init__(self, vocab: Vocabulary, kept: int = _KEPT):
+    def __init__(self, vocab: Vocabulary, kept: int = _KEPT, kept_bytes: int = _KEPT_BYTES):
         self._vocab = vocab
-        self._kept = kept
-        self._built: OrderedDict[str, str] = OrderedDict()
+        self._built: SizedLRU[str, str] = SizedLRU(kept, kept_bytes)
         self._lock = threading.Lock()
 
     def for_response_format(self, fmt: ResponseFormat | None) -> str | None:
@@ -119,8 +123,6 @@ class GrammarBuilder:
     def _kept_or_built(self, key: str, build: Callable[[], str], param: str) -> str:
         with self._lock:
             grammar = self._built.get(key)
-            if grammar is not None:
-                self._built.move_to_end(key)
         try:
             if grammar is None:
                 grammar = build()
@@ -130,10 +132,14 @@ class GrammarBuilder:
         except (ValueError, RecursionError) as exc:
             raise InvalidRequest(f"{param}: {exc}", param=param) from exc
         with self._lock:
-            self._built[key] = grammar
-            while len(self._built) > self._kept:
-                self._built.popitem(last=False)
+            self._built.put(key, grammar, len(key) + len(grammar))
         return grammar
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the kept grammars hold (keys and texts)."""
+        with self._lock:
+            return self._built.total_bytes
 
 
 def _key(*parts: Any) -> str:
@@ -141,9 +147,11 @@ def _key(*parts: Any) -> str:
 
 
 def check_schema(schema: Any, param: str) -> None:
-    """InvalidRequest naming the first problem: an invalid schema or an unenforced keyword."""
+    """InvalidRequest naming the first problem: a schema too costly to compile (before any
+    other work, see schema_limits.py), an invalid schema or an unenforced keyword."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON object", param=param)
+    check_limits(schema, param)
     try:
         # jsonschema-rs: the draft 2020-12 metaschema check in ~0.05 ms where the pure-Python
         # jsonschema takes ~20 ms of held GIL (stalling the engine thread) on a 60-property
@@ -156,7 +164,7 @@ def check_schema(schema: Any, param: str) -> None:
         ) from exc
     except jsonschema_rs.ReferencingError as exc:
         raise InvalidRequest(f"{param} is not a valid JSON schema: {exc}", param=param) from exc
-    for path, node in _walk(schema, param):
+    for path, node, _ in walk(schema, param):
         for key, value in node.items():
             if key not in _ENFORCED and key not in _ANNOTATIONS:
                 raise InvalidRequest(
@@ -180,22 +188,6 @@ def check_schema(schema: Any, param: str) -> None:
                     ) from exc
             if key == "$ref" and not str(value).startswith("#"):
                 raise InvalidRequest(f"{path}: only local $refs (#/...) are supported", param=param)
-
-
-def _walk(node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every subschema with its path (boolean schemas have no keywords to check)."""
-    if not isinstance(node, dict):
-        return
-    yield path, node
-    for key, value in node.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _walk(sub, f"{path}.{key}.{name}")
-        elif key in _SCHEMA_VALUES:
-            yield from _walk(value, f"{path}.{key}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                yield from _walk(sub, f"{path}.{key}[{i}]")
 
 
 def _wrap(rules: str, fmt: ToolFormat, many: bool) -> str:
