@@ -187,13 +187,13 @@ def add_model_routes(route: Route, state: ServerState) -> None:
     async def ps(request: Request) -> Response:
         loaded = state.models.loaded()
         facts = await _all_facts(state, [m.spec for m in loaded])
-        now = time.time()
+        forever = time.time() + _FOREVER_S  # also the latest date a model may say
         models = [
             _tag(f)
             | {
                 "size": m.size or f.size,
                 "size_vram": 0,
-                "expires_at": rfc3339(m.expires_at or now + _FOREVER_S),
+                "expires_at": rfc3339(min(m.expires_at or forever, forever)),
                 "context_length": _context(m.model),
             }
             for m, f in zip(loaded, facts, strict=True)
