@@ -121,14 +121,14 @@ def check_name(name: str, param: str = "model") -> None:
     shown = repr(name) if len(name) <= 60 else repr(name[:57]) + "..."
     if not name or not name.isprintable() or name != name.strip():
         raise InvalidRequest(
-            f"invalid model name {shown}: it must be printable characters, without blanks "
-            "around them",
+            f"{param} {shown} is not a valid model name: it must be printable characters, "
+            "without blanks around them",
             param=param,
         )
     if len(name) > _MAX_NAME or len(_quoted(name)) > _MAX_SLUG:
         raise InvalidRequest(
-            f"model name {shown} is too long ({len(name)} characters): at most {_MAX_NAME}, "
-            f"and fewer with many characters other than letters, digits, '-' and '_'",
+            f"{param} {shown} is too long for a model name ({len(name)} characters): at most "
+            f"{_MAX_NAME}, and fewer with many characters other than letters, digits, - and _",
             param=param,
         )
 

@@ -37,7 +37,7 @@ from ferrum.models.memory import model_files
 from ferrum.models.pull import PullProgress, pull
 from ferrum.models.reference import parse_reference
 from ferrum.models.registry import ModelSpec
-from ferrum.models.store import Manifest, ModelStore
+from ferrum.models.store import Manifest, ModelStore, check_name
 
 if TYPE_CHECKING:
     from ferrum.api.ollama import Route
@@ -280,6 +280,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         if parse_reference(body.ref).kind == "file":
             # A remote client must not make the server read (or probe) files on its disk.
             raise InvalidRequest("local files are added with `ferrum pull` only", param="model")
+        check_name(body.ref)  # the name it is stored under: refused now, not after a download
         lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.ensure_future(_pull(state, store, body.ref, lines))
         pulls.add(task)
