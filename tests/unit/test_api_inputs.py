@@ -8,6 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.app import MAX_BODY_BYTES
 from tests.factories import FakeEmbedder, FakeRunner, fake_app, model_info
 
 LONE = "\ud800"  # a high surrogate with no low one after it
@@ -137,3 +138,11 @@ def test_keep_alive_still_takes_forever_and_a_year(client):
         body = {"model": "fake", "messages": HI, "max_tokens": 2, "keep_alive": value}
         assert client.post("/v1/chat/completions", json=body).status_code == 200, value
     assert client.get("/api/ps").status_code == 200
+
+
+# -- the gate's errors take the route's shape too -------------------------------------------
+
+
+def test_an_oversized_body_on_an_ollama_route_gets_ollama_s_shape(client):
+    r = client.post("/api/chat", content=b" " * (MAX_BODY_BYTES + 1), headers=JSON)
+    assert "bytes" in ollama_error(r)
