@@ -3,8 +3,8 @@ Anthropic dialects.
 
 Every route also answers without its `/v1` prefix. Every error, including FastAPI's own
 validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status, except on
-the Anthropic Messages paths, where it takes Anthropic's shape (the Ollama routes shape their
-own).
+the Anthropic Messages paths, where it takes Anthropic's shape, and on Ollama's /api paths,
+where it takes Ollama's (`error_response` decides, for the gate's errors too).
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
 from ferrum.api.anthropic import error_response as anthropic_error
 from ferrum.api.auth import Keys, caller_of, remember
+from ferrum.api.body_text import SurrogateCheck
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
-from ferrum.api.ollama import add_ollama_routes
+from ferrum.api.ollama import add_ollama_routes, speaks_ollama
+from ferrum.api.ollama import error_response as ollama_error
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,9 +90,12 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def error_response(exc: FerrumError, path: str) -> JSONResponse:
-    """An error in the shape of the API its path belongs to (Anthropic's or OpenAI's)."""
+    """An error in the shape of the API its path belongs to (Anthropic's, Ollama's or
+    OpenAI's)."""
     if speaks_anthropic(path):
         return anthropic_error(exc)
+    if speaks_ollama(path):
+        return ollama_error(exc)
     headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
     return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
 
@@ -177,6 +182,8 @@ def create_app(state: ServerState) -> FastAPI:
     state.created = int(time.time())
     _install_error_handlers(app)
 
+    # Added first, so it runs inside the gate: a body is read only once the key passed.
+    app.add_middleware(SurrogateCheck, respond=error_response)
     app.add_middleware(_Gate, state=state)
 
     _add_routes(app, state)

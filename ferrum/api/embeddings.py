@@ -81,15 +81,15 @@ def _vocab(model: Loaded) -> Vocabulary:
 
 def tokenize_inputs(
     vocab: Vocabulary, embedder: Embedder, raw: str | list[str] | list[int] | list[list[int]],
-    truncate: bool, param: str = "input",
+    truncate: bool, param: str = "input", max_inputs: int = MAX_INPUTS,
 ) -> list[list[int]]:
     """Every input as tokens, checked against the model's limits (worker thread)."""
     items = _items(raw)
     if not items:
         raise InvalidRequest(f"{param} must not be empty", param=param)
-    if len(items) > MAX_INPUTS:
+    if len(items) > max_inputs:
         raise InvalidRequest(
-            f"at most {MAX_INPUTS} inputs per request; got {len(items)}", param=param
+            f"at most {max_inputs} inputs per request; got {len(items)}", param=param
         )
     facts = embedder.info
     out = []
@@ -142,12 +142,15 @@ def _encode(v: Vector, fmt: str) -> list[float] | str:
 
 
 async def embed_texts(
-    lease: Lease[Loaded], raw: str | list[str] | list[int] | list[list[int]], truncate: bool
+    lease: Lease[Loaded],
+    raw: str | list[str] | list[int] | list[list[int]],
+    truncate: bool,
+    max_inputs: int = MAX_INPUTS,
 ) -> tuple[list[Vector], int]:
     """Normalised vectors for every input, and the number of tokens they took."""
     embedder = embedder_of(lease)
     tokens = await asyncio.to_thread(
-        tokenize_inputs, _vocab(lease.model), embedder, raw, truncate
+        tokenize_inputs, _vocab(lease.model), embedder, raw, truncate, "input", max_inputs
     )
     vectors = await embedder.embed(tokens)
     _count(lease.model, len(tokens), sum(map(len, tokens)))
@@ -193,7 +196,9 @@ async def rerank(state: ServerState, http: Any, body: RerankRequest) -> dict[str
             scores, n_tokens = await _cross_scores(lease, embedder, body.query, texts, body)
             scoring = "cross-encoder"
         else:
-            vectors, n_tokens = await embed_texts(lease, [body.query, *texts], body.truncate)
+            # The query rides along: MAX_INPUTS documents are one input more.
+            queried = [body.query, *texts]
+            vectors, n_tokens = await embed_texts(lease, queried, body.truncate, MAX_INPUTS + 1)
             scores = [float(np.dot(vectors[0], v)) for v in vectors[1:]]
             scoring = "cosine"
     finally:

@@ -213,7 +213,11 @@ class _SamplingBody(_Body):
     def _logit_bias(self, n_vocab: int) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            token = int(key) if key.strip().lstrip("-").isdigit() else -1
+            # A plain decimal id only: str.isdigit() also passes "²" and other digits that
+            # int() refuses, and int() refuses more than 4,300 digits.
+            digits = key.strip()
+            plain = digits.isascii() and digits.isdigit() and len(digits) <= 10
+            token = int(digits) if plain else -1
             if not 0 <= token < n_vocab:
                 raise InvalidRequest(
                     f"logit_bias keys must be token ids in [0, {n_vocab}); got {key!r}",

@@ -142,7 +142,7 @@ def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> 
     try:
         return parse_duration(value)
     except ValueError as exc:
-        raise InvalidRequest(str(exc), param=param) from exc
+        raise InvalidRequest(f"{param}: {exc}", param=param) from exc
 
 
 async def acquire(
@@ -211,7 +211,12 @@ def submit(
     max_tokens = body.requested_max_tokens()
     if max_tokens is None and model.default_max_tokens > 0:
         max_tokens = model.default_max_tokens
-    max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
+    try:
+        max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
+    except InvalidRequest as exc:  # the engine says "prompt": a chat's is its messages
+        if not kind.chat:
+            raise
+        raise type(exc)(exc.message, param="messages") from None
     params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     params = dataclasses.replace(

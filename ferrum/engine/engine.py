@@ -103,7 +103,7 @@ class LLMEngine:
             raise ContextLengthExceeded(
                 f"the prompt has {num_prompt_tokens} tokens; this server's context holds "
                 f"{self.max_positions} (prompt plus at least one generated token)",
-                param="messages",
+                param="prompt",  # the API names it as its request did (`serving.submit`)
             )
         return room if max_tokens is None or max_tokens < 0 else min(max_tokens, room)
 

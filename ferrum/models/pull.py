@@ -59,7 +59,7 @@ from ferrum.models.reference import (
     quant_of,
     split_shards,
 )
-from ferrum.models.store import Manifest, ModelStore
+from ferrum.models.store import Manifest, ModelStore, check_name
 
 __all__ = ["PullProgress", "adopt", "parse_reference", "pull"]
 
@@ -74,6 +74,8 @@ def pull(
 ) -> Manifest:
     """Pulls `ref` (see `reference.parse_reference`) into the store; a local file is adopted
     in place. `name` overrides the store name ("org/repo:QUANT")."""
+    if name is not None:
+        check_name(name)  # before the hub is asked, not after the download
     if ref in BUILTINS:  # a built-in model, adopted where its package keeps it
         return adopt(store, builtin_path(ref), name or ref, source=f"builtin:{ref}")
     reference = parse_reference(ref)

@@ -31,6 +31,7 @@ PREFERRED = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q4_0", "Q8_0")
 
 _HUB_PREFIXES = re.compile(r"^(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
 _NAME_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_MAX_NAME_PART = 96  # the Hub's limit on an organisation's or a repository's name
 _REPO = re.compile(rf"^({_NAME_PART}/{_NAME_PART})(?::([A-Za-z0-9._-]+))?$")
 _WEB_FILE = re.compile(rf"^({_NAME_PART}/{_NAME_PART})/(?:blob|resolve)/([^/]+)/(.+\.gguf)$", re.I)
 _REPO_FILE = re.compile(rf"^({_NAME_PART}/{_NAME_PART})/(.+\.gguf)$", re.IGNORECASE)
@@ -68,16 +69,35 @@ def parse_reference(ref: str) -> Reference:
     hub = _HUB_PREFIXES.sub("", ref).rstrip("/")
     if m := _REPO.match(hub):
         quant = m.group(2)
-        return Reference("hub", repo=m.group(1), quant=quant.upper() if quant else None)
+        return _hub(ref, repo=m.group(1), quant=quant.upper() if quant else None)
     if m := _WEB_FILE.match(hub):
-        return Reference("hub", repo=m.group(1), revision=m.group(2), filename=m.group(3))
+        return _hub(ref, repo=m.group(1), revision=m.group(2), filename=m.group(3))
     if m := _REPO_FILE.match(hub):
-        return Reference("hub", repo=m.group(1), filename=m.group(2))
+        return _hub(ref, repo=m.group(1), filename=m.group(2))
     raise InvalidRequest(
         f"{ref!r} is neither a GGUF file nor a Hugging Face model "
         "(org/repo, org/repo:QUANT or org/repo/file.gguf)",
         param="model",
     )
+
+
+def _hub(
+    ref: str,
+    repo: str,
+    quant: str | None = None,
+    filename: str | None = None,
+    revision: str | None = None,
+) -> Reference:
+    """A hub reference whose names the Hub could hold: a longer one is refused here, before
+    any request to it."""
+    if any(len(part) > _MAX_NAME_PART for part in repo.split("/")):
+        shown = ref if len(ref) <= 120 else ref[:117] + "..."
+        raise InvalidRequest(
+            f"{shown!r} is not a Hugging Face model: the Hub's organisation and repository "
+            f"names have at most {_MAX_NAME_PART} characters",
+            param="model",
+        )
+    return Reference("hub", repo=repo, quant=quant, filename=filename, revision=revision)
 
 
 def quant_of(filename: str) -> str | None:

@@ -53,6 +53,9 @@ log = logging.getLogger("ferrum.models")
 _MANIFEST_VERSION = 1
 _STALE_TMP_S = 60.0
 _MAX_NAME = 200
+# A slug is a file name's stem, and file names are limited to 255 bytes: the longest the
+# store makes is a temporary manifest, ".<slug>.<8 hex>.tmp".
+_MAX_SLUG = 255 - len("..12345678.tmp")
 
 
 def default_models_dir() -> Path:
@@ -107,8 +110,30 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 def slug(name: str) -> str:
     """The file-safe form of a model name (case-folded, so names are unique regardless of
     case); validates the name."""
-    if not name or len(name) > _MAX_NAME or not name.isprintable() or name != name.strip():
-        raise InvalidRequest(f"invalid model name {name!r}", param="model")
+    check_name(name)
+    return _quoted(name)
+
+
+def check_name(name: str, param: str = "model") -> None:
+    """The one rule for a store name (every pull, copy and removal goes through it): 1 to
+    200 printable characters, no blanks around them, and short enough to make a file name
+    once percent-encoded (a "/" takes 3 bytes, a non-ASCII letter up to 12)."""
+    shown = repr(name) if len(name) <= 60 else repr(name[:57]) + "..."
+    if not name or not name.isprintable() or name != name.strip():
+        raise InvalidRequest(
+            f"{param} {shown} is not a valid model name: it must be printable characters, "
+            "without blanks around them",
+            param=param,
+        )
+    if len(name) > _MAX_NAME or len(_quoted(name)) > _MAX_SLUG:
+        raise InvalidRequest(
+            f"{param} {shown} is too long for a model name ({len(name)} characters): at most "
+            f"{_MAX_NAME}, and fewer with many characters other than letters, digits, - and _",
+            param=param,
+        )
+
+
+def _quoted(name: str) -> str:
     return quote(name.lower(), safe="").replace(".", "%2E")
 
 
@@ -215,6 +240,7 @@ class ModelStore:
     def copy(self, src: str, dst: str) -> Manifest:
         """A new model `dst` with the files of `src` (hard links of the store's files; files
         outside the store referenced in place). An existing `dst` is replaced."""
+        check_name(dst, param="destination")
         source = self.resolve(src)
         if slug(dst) == slug(source.name):
             raise InvalidRequest(f"cannot copy {source.name!r} onto itself", param="model")

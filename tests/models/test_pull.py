@@ -79,6 +79,14 @@ def test_file_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
             parse_reference(bad)
 
 
+def test_a_hub_name_longer_than_the_hub_allows_is_refused() -> None:
+    for ref in (f"org/{'r' * 97}", f"hf.co/{'o' * 97}/repo:Q4_K_M", f"org/{'r' * 97}/m.gguf"):
+        with pytest.raises(InvalidRequest, match="96 characters") as err:
+            parse_reference(ref)
+        assert err.value.param == "model"
+    assert parse_reference(f"{'o' * 96}/{'r' * 96}").repo == f"{'o' * 96}/{'r' * 96}"
+
+
 @pytest.mark.parametrize(
     ("name", "quant"),
     [

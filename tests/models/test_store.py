@@ -176,6 +176,22 @@ def test_remove_leaves_no_orphans_and_never_touches_outside_files(
         store.remove("adopted")
 
 
+@pytest.mark.parametrize("name", ["/" * 100, "é" * 50 + "x", "a:" * 90])
+def test_a_name_too_long_for_a_file_name_is_refused_naming_the_parameter(
+    store: ModelStore, name: str
+) -> None:
+    """Under 200 characters, but percent-encoded past the 255 bytes of a file name."""
+    _add_owned(store, "src")
+    with pytest.raises(InvalidRequest, match="too long") as err:
+        store.copy("src", name)
+    assert err.value.param == "destination"
+    with pytest.raises(InvalidRequest, match="too long") as err:
+        store.add(_manifest(name, [Path(store.get("src").files[0])]))
+    assert err.value.param == "model"
+    store.copy("src", "b" * 200)  # the longest a plain name may be
+    assert [m.name for m in store.list()] == ["b" * 200, "src"]
+
+
 def test_copies_survive_the_removal_of_either(store: ModelStore, tmp_path: Path) -> None:
     src = _add_owned(store, "src", "m.gguf")
     dst = store.copy("src", "dst")

@@ -105,6 +105,14 @@ def test_rerank_orders_by_cosine_and_says_so(client):
     assert scores == sorted(scores, reverse=True) and scores[0] == pytest.approx(1.0)
 
 
+def test_rerank_takes_up_to_2048_documents(client):
+    body = {"model": "embed", "query": "q", "top_n": 1}
+    r = client.post("/v1/rerank", json={**body, "documents": ["d"] * 2048})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/rerank", json={**body, "documents": ["d"] * 2049})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+
+
 def test_metrics_count_embedding_requests_inputs_and_tokens(client):
     client.post("/v1/embeddings", json={"model": "embed", "input": ["ab", "cd"]})
     text = client.get("/metrics").text

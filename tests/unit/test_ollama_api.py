@@ -246,6 +246,16 @@ def test_ps_lists_what_is_loaded_and_keep_alive_zero_unloads(two):
     assert _loaded(http) == {"alpha": 0}
 
 
+def test_ps_survives_an_expiry_past_any_date(two):
+    """The API bounds keep_alive; the registry does not, and ps must not fail on it."""
+    client, http = two
+    registry = http.app.state.ferrum.models
+    lease = http.portal.call(registry.acquire, "alpha", 1e300)
+    http.portal.call(lease.release)
+    (alpha,) = [m for m in client.ps().models if m.name == "alpha"]
+    assert alpha.expires_at is not None and alpha.expires_at.year > 2100
+
+
 def test_keep_alive_reaches_the_registry(two):
     client, http = two
     client.chat("beta", HI, options=GREEDY, keep_alive="10m")
@@ -514,6 +524,27 @@ def test_a_failed_pull_ends_with_an_error(stored, monkeypatch):
         list(client.pull("org/repo", stream=True))
     assert "cannot reach" in err.value.error
     assert "cannot reach" in _refused(lambda: client.pull("org/repo"), 502)
+
+
+def test_a_copy_whose_destination_cannot_be_a_file_name_is_a_400_naming_it(stored):
+    client, store, _ = stored
+    for destination in ("x" * 300, "/" * 100, "a\nb"):
+        assert "destination" in _refused(lambda d=destination: client.copy("tiny", d))
+    assert [m.name for m in store.list()] == ["tiny"]
+
+
+def test_a_pull_of_a_name_the_hub_cannot_hold_is_refused_before_the_hub(stored, monkeypatch):
+    client, _, _ = stored
+    called = []
+    monkeypatch.setattr("ferrum.api.ollama.models.pull", lambda *a, **kw: called.append(a))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    too_long = f"hf.co/org/{'r' * 97}:Q4_K_M"
+    for stream in (True, False):
+        assert "96 characters" in _refused(lambda s=stream: list(client.pull(too_long, stream=s)))
+    # A name the hub could hold but the store cannot (over 200 characters) is refused too.
+    store_too_long = f"hf.co/{'o' * 96}/{'r' * 96}:Q4_K_M"
+    assert "too long" in _refused(lambda: client.pull(store_too_long))
+    assert called == []
 
 
 def test_a_pull_of_a_local_file_is_refused(stored):

@@ -62,6 +62,19 @@ def test_non_finite_durations_are_refused(value: str | float) -> None:
 
 
 @pytest.mark.parametrize(
+    "value", [1e300, "1e300", 10**400, "9999999h", "99999999999999999999m", 366 * 86400 + 1]
+)
+def test_durations_longer_than_a_year_are_refused(value: str | float) -> None:
+    with pytest.raises(ValueError, match="longer than a year"):
+        parse_duration(value)
+
+
+def test_a_year_is_the_longest_and_any_negative_is_forever() -> None:
+    assert parse_duration(366 * 86400) == parse_duration("8784h") == 366 * 86400.0
+    assert parse_duration(-(10**400)) == parse_duration(-1e300) == -1.0
+
+
+@pytest.mark.parametrize(
     ("text", "size"),
     [
         ("1048576", 1048576),

@@ -38,7 +38,7 @@ from ferrum.models.memory import model_files
 from ferrum.models.pull import PullProgress, pull
 from ferrum.models.reference import parse_reference
 from ferrum.models.registry import ModelSpec
-from ferrum.models.store import Manifest, ModelStore
+from ferrum.models.store import Manifest, ModelStore, check_name
 
 if TYPE_CHECKING:
     from ferrum.api.ollama import Route
@@ -188,13 +188,13 @@ def add_model_routes(route: Route, state: ServerState) -> None:
     async def ps(request: Request) -> Response:
         loaded = state.models.loaded()
         facts = await _all_facts(state, [m.spec for m in loaded])
-        now = time.time()
+        forever = time.time() + _FOREVER_S  # also the latest date a model may say
         models = [
             _tag(f)
             | {
                 "size": m.size or f.size,
                 "size_vram": 0,
-                "expires_at": rfc3339(m.expires_at or now + _FOREVER_S),
+                "expires_at": rfc3339(min(m.expires_at or forever, forever)),
                 "context_length": _context(m.model),
             }
             for m, f in zip(loaded, facts, strict=True)
@@ -282,6 +282,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         if parse_reference(body.ref).kind == "file":
             # A remote client must not make the server read (or probe) files on its disk.
             raise InvalidRequest("local files are added with `ferrum pull` only", param="model")
+        check_name(body.ref)  # the name it is stored under: refused now, not after a download
         lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.ensure_future(_pull(state, store, body.ref, lines))
         pulls.add(task)
