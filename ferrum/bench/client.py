@@ -61,8 +61,11 @@ class Sample:
         return d
 
 
-def request_body(model: str, prompt: str, max_tokens: int, dialect: Dialect, fixed: bool) -> dict:
-    """`fixed`: exactly `max_tokens` output tokens wanted (the end-of-generation token ignored)."""
+def request_body(
+    model: str, prompt: str, max_tokens: int, dialect: Dialect, fixed: bool, n: int = 1
+) -> dict:
+    """`fixed`: exactly `max_tokens` output tokens wanted (the end-of-generation token ignored);
+    `n`: choices (one request, one user, as many sequences)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -70,6 +73,8 @@ def request_body(model: str, prompt: str, max_tokens: int, dialect: Dialect, fix
         "temperature": 0,
         "stream": True,
     }
+    if n > 1:
+        body["n"] = n
     if dialect.usage_in_stream:
         body["stream_options"] = {"include_usage": True}
     if fixed and dialect.ignore_eos == "native":
@@ -87,10 +92,12 @@ async def stream_completion(
     dialect: Dialect,
     fixed: bool = True,
     sample: Sample | None = None,
+    n: int = 1,
 ) -> Sample:
-    """`sample`: filled in as the stream arrives, for callers that watch its progress."""
+    """`sample`: filled in as the stream arrives, for callers that watch its progress (with
+    `n` choices, their chunks all count)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
-    body = request_body(model, prompt, max_tokens, dialect, fixed)
+    body = request_body(model, prompt, max_tokens, dialect, fixed, n)
     text: list[str] = []
     sample.t_start = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as resp:

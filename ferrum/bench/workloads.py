@@ -197,4 +197,49 @@ async def noisy(ctx: Context) -> tuple[dict, Metrics]:
     return {"streams": streams, "long": long, "t_send": t_send}, metrics
 
 
-WORKLOADS = {"sweep": sweep, "burst": burst, "multiturn": multiturn, "noisy": noisy}
+# ------------------------------------------------------------------ fairness
+
+
+async def fairness(ctx: Context) -> tuple[dict, Metrics]:
+    """Short chats one after another on the idle server; then one request with n = every slot
+    (`parallel`) and long outputs, and, once each of its choices streams, short chats one after
+    another (new prompts) for as long as it runs. Does one user's flood make another wait?"""
+    s = ctx.settings
+    idle_prompts = [ctx.prompts.unrelated() for _ in range(s.fair_chats)]
+    busy_prompts = [ctx.prompts.unrelated() for _ in range(s.fair_chats)]
+    flood_prompt = ctx.prompts.unrelated()
+    idle = [await ctx.stream(p, s.fair_chat_tokens) for p in idle_prompts]
+    flood = Sample(prompt=flood_prompt, max_tokens=s.fair_flood_tokens)
+    task = asyncio.create_task(
+        stream_completion(ctx.client, ctx.model, flood_prompt, flood.max_tokens, ctx.dialect,
+                          sample=flood, n=s.parallel)
+    )  # fmt: skip
+    while len(flood.chunk_times) < s.parallel and not task.done():
+        await asyncio.sleep(0.01)  # every choice decoding: every slot taken
+    busy = []
+    for p in busy_prompts:
+        if task.done():
+            break
+        busy.append(await ctx.stream(p, s.fair_chat_tokens))
+    await task
+    await fill_counts(ctx.client, ctx.model, [*idle, *busy])
+    idle_p50, busy_p99 = percentile(_ttfts(idle), 50), percentile(_ttfts(busy), 99)
+    metrics: Metrics = {
+        "idle.ttft_p50": idle_p50,
+        "idle.ttft_p99": percentile(_ttfts(idle), 99),
+        "flood.ttft_p50": percentile(_ttfts(busy), 50),
+        "flood.ttft_p99": busy_p99,
+        "flood.p99_vs_idle": busy_p99 / idle_p50 if busy_p99 and idle_p50 else None,
+        "flood.chats": float(len(busy)),
+        "flood.wall_s": flood.t_end - flood.t_start,
+    }
+    return {"idle": idle, "flood_chats": busy, "flood": flood}, metrics
+
+
+WORKLOADS = {
+    "sweep": sweep,
+    "burst": burst,
+    "multiturn": multiturn,
+    "noisy": noisy,
+    "fairness": fairness,
+}

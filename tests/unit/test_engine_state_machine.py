@@ -4,10 +4,11 @@ Hypothesis drives `LLMEngine` through `AsyncEngine`, the way the server does, wi
 thread replaced by explicit pumps so every interleaving is reproducible. Rules: submit (prompts
 that repeat, share prefixes with or extend earlier ones; n choices as forks; streamed or
 answered whole; from one of a few tenants, whose fair shares reorder admission and preempt
-running requests, parked to be resumed), abort a waiting request, hang up on a request that already has tokens, fail
-the next decode of a running sequence, lose a parked sequence's sliding window, pump. After
-every rule the KV ledger is whole and no request has output after its finish (nor, answered
-whole, before it); at the end every request has ended and only parked sequences hold KV.
+running requests, parked to be resumed), abort a waiting request, hang up on a request that
+already has tokens, fail the next decode of a running sequence, lose a parked sequence's
+sliding window, pump. After every rule the KV ledger is whole and no request has output after
+its finish (nor, answered whole, before it); at the end every request has ended and only
+parked sequences hold KV.
 
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
@@ -185,7 +186,9 @@ class EngineMachine(RuleBasedStateMachine):
         whole=st.booleans(),
         tenant=st.sampled_from(TENANTS),
     )
-    def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str) -> None:
+    def submit(
+        self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str
+    ) -> None:
         prompt = self._draw_prompt(data)
         try:
             self.front.check_capacity(n)

@@ -122,7 +122,8 @@ def test_finish_of_a_waiting_request_frees_nothing_it_did_not_hold():
 
 
 def _tenant_req(rid: str, tenant: str, n_prompt: int = 4, max_tokens: int = 100) -> Request:
-    return Request(rid, list(range(1, n_prompt + 1)), sampling(tenant=tenant, max_tokens=max_tokens))
+    params = sampling(tenant=tenant, max_tokens=max_tokens)
+    return Request(rid, list(range(1, n_prompt + 1)), params)
 
 
 def _ids(out) -> list[str]:
@@ -229,6 +230,6 @@ def test_a_request_preempted_for_fairness_resumes_its_parked_sequence_with_the_s
     assert victim.seq_id == parked.seq_id and parked.seq_id not in runner.cleared[cleared:]
     assert victim.num_cached_tokens == 0  # its own KV taken back is no cache hit
     results = run_to_completion(engine)
-    for rid, prompt in prompts.items():
+    for rid in prompts:
         assert results[rid]["final"].finish_reason == "length"
     assert victim.output_token_ids == expected_tokens(prompts[victim.request_id], 30)
