@@ -41,9 +41,9 @@ def describe(workload: str, s: BenchSettings) -> str:
     if workload == "fairness":
         return (
             f"{s.fair_chats} short chats ({s.fair_chat_tokens} tokens) one after another on the "
-            f"idle server; then one request with n={s.parallel} (every slot) of "
+            f"idle server; then requests with n={s.fair_flood_n} taking all {s.parallel} slots, "
             f"{s.fair_flood_tokens} tokens per choice and, once each choice streams, short chats "
-            f"(new prompts) one after another while it runs. Their TTFT beside it against idle."
+            f"(new prompts) one after another while they run. Their TTFT beside it against idle."
         )
     if workload == "engine":
         batches = ", ".join(map(str, s.engine_batches))

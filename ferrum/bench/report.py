@@ -74,7 +74,7 @@ def metric_specs(workload: str, s: BenchSettings) -> list[MetricSpec]:
             MetricSpec("flood.ttft_p99", "beside the flood: chat TTFT p99 (s)", "lower"),
             MetricSpec("flood.p99_vs_idle", "beside the flood: TTFT p99 / idle p50", "lower", 2),
             MetricSpec("flood.chats", "chats sent while the flood ran", "", 0),
-            MetricSpec("flood.wall_s", f"the flood (n={s.parallel}): whole request (s)", "lower"),
+            MetricSpec("flood.wall_s", f"the flood ({s.parallel} choices): whole (s)", "lower"),
         ]
     if workload == "engine":
         return [

@@ -38,10 +38,11 @@ class BenchSettings:
     noisy_before_tokens: int = 24  # tokens each stream yields before the long prompt is sent
     noisy_long_rules: int = 80  # handbook lines in the long prompt (~3,000 Gemma tokens)
     noisy_long_tokens: int = 4
-    # fairness: one client's request takes every slot (n = parallel, long outputs) while
+    # fairness: one client's requests take every slot (n choices each, long outputs) while
     # another sends short chats one after another; their TTFT against that on an idle server
     fair_chats: int = 8  # short chats on the idle server, and at most as many under the flood
     fair_chat_tokens: int = 8
+    fair_flood_n: int = 8  # choices per flood request (the API's most); parallel / n requests
     fair_flood_tokens: int = 256  # per choice
     # engine: in-process decode loop vs llama-batched-bench
     engine_batches: tuple[int, ...] = (1, 4, 8, 16)
