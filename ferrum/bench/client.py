@@ -44,6 +44,7 @@ class Sample:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     counts_from: str = "usage"  # "usage", or how the counts were filled in afterwards
+    choices_seen: set[int] = field(default_factory=set)  # indexes of choices that sent text
 
     @property
     def ttft_s(self) -> float | None:
@@ -57,6 +58,7 @@ class Sample:
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d["choices_seen"] = sorted(self.choices_seen)
         d["ttft_s"] = self.ttft_s
         return d
 
@@ -115,6 +117,7 @@ async def stream_completion(
                 sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
                 if choice.get("text"):
                     sample.chunk_times.append(now)
+                    sample.choices_seen.add(choice.get("index", 0))
                     text.append(choice["text"])
     sample.t_end = time.perf_counter()
     sample.text = "".join(text)

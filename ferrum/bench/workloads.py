@@ -222,7 +222,9 @@ async def fairness(ctx: Context) -> tuple[dict, Metrics]:
         )
         for f in floods
     ]
-    while sum(len(f.chunk_times) for f in floods) < s.parallel and not all(t.done() for t in tasks):
+    while sum(len(f.choices_seen) for f in floods) < s.parallel and not all(
+        t.done() for t in tasks
+    ):
         await asyncio.sleep(0.01)  # every choice decoding: every slot taken
     busy = []
     for p in busy_prompts:
