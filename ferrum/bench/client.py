@@ -44,6 +44,7 @@ class Sample:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     counts_from: str = "usage"  # "usage", or how the counts were filled in afterwards
+    choices_seen: set[int] = field(default_factory=set)  # indexes of choices that sent text
 
     @property
     def ttft_s(self) -> float | None:
@@ -57,12 +58,16 @@ class Sample:
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d["choices_seen"] = sorted(self.choices_seen)
         d["ttft_s"] = self.ttft_s
         return d
 
 
-def request_body(model: str, prompt: str, max_tokens: int, dialect: Dialect, fixed: bool) -> dict:
-    """`fixed`: exactly `max_tokens` output tokens wanted (the end-of-generation token ignored)."""
+def request_body(
+    model: str, prompt: str, max_tokens: int, dialect: Dialect, fixed: bool, n: int = 1
+) -> dict:
+    """`fixed`: exactly `max_tokens` output tokens wanted (the end-of-generation token ignored);
+    `n`: choices (one request, one user, as many sequences)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -70,6 +75,8 @@ def request_body(model: str, prompt: str, max_tokens: int, dialect: Dialect, fix
         "temperature": 0,
         "stream": True,
     }
+    if n > 1:
+        body["n"] = n
     if dialect.usage_in_stream:
         body["stream_options"] = {"include_usage": True}
     if fixed and dialect.ignore_eos == "native":
@@ -87,10 +94,12 @@ async def stream_completion(
     dialect: Dialect,
     fixed: bool = True,
     sample: Sample | None = None,
+    n: int = 1,
 ) -> Sample:
-    """`sample`: filled in as the stream arrives, for callers that watch its progress."""
+    """`sample`: filled in as the stream arrives, for callers that watch its progress (with
+    `n` choices, their chunks all count)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
-    body = request_body(model, prompt, max_tokens, dialect, fixed)
+    body = request_body(model, prompt, max_tokens, dialect, fixed, n)
     text: list[str] = []
     sample.t_start = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -108,6 +117,7 @@ async def stream_completion(
                 sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
                 if choice.get("text"):
                     sample.chunk_times.append(now)
+                    sample.choices_seen.add(choice.get("index", 0))
                     text.append(choice["text"])
     sample.t_end = time.perf_counter()
     sample.text = "".join(text)

@@ -38,6 +38,13 @@ def describe(workload: str, s: BenchSettings) -> str:
             f"arrives. Their inter-token gaps before it was sent and during its prefill (until "
             f"its first token)."
         )
+    if workload == "fairness":
+        return (
+            f"{s.fair_chats} short chats ({s.fair_chat_tokens} tokens) one after another on the "
+            f"idle server; then requests with n={s.fair_flood_n} taking all {s.parallel} slots, "
+            f"{s.fair_flood_tokens} tokens per choice and, once each choice streams, short chats "
+            f"(new prompts) one after another while they run. Their TTFT beside it against idle."
+        )
     if workload == "engine":
         batches = ", ".join(map(str, s.engine_batches))
         return (

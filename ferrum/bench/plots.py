@@ -111,6 +111,7 @@ def _ttft_series(s: BenchSettings) -> list[tuple[str, str, str]]:
         ("burst", "warm.ttft_p50", "burst warm\np50"),
         ("multiturn", "later.ttft_mean", "multi-turn\nlater turns"),
         ("noisy", "long.ttft", "noisy\nlong prompt"),
+        ("fairness", "flood.ttft_p99", "chat beside\nan n-flood p99"),
     ]
 
 

@@ -66,6 +66,16 @@ def metric_specs(workload: str, s: BenchSettings) -> list[MetricSpec]:
             MetricSpec("long.ttft", "long prompt: TTFT (s)", "lower"),
             MetricSpec("long.prompt_tokens", "long prompt: tokens", "", 0),
         ]
+    if workload == "fairness":
+        return [
+            MetricSpec("idle.ttft_p50", "idle server: chat TTFT p50 (s)", "lower"),
+            MetricSpec("idle.ttft_p99", "idle server: chat TTFT p99 (s)", "lower"),
+            MetricSpec("flood.ttft_p50", "beside the flood: chat TTFT p50 (s)", "lower"),
+            MetricSpec("flood.ttft_p99", "beside the flood: chat TTFT p99 (s)", "lower"),
+            MetricSpec("flood.p99_vs_idle", "beside the flood: TTFT p99 / idle p50", "lower", 2),
+            MetricSpec("flood.chats", "chats sent while the flood ran", "", 0),
+            MetricSpec("flood.wall_s", f"the flood ({s.parallel} choices): whole (s)", "lower"),
+        ]
     if workload == "engine":
         return [
             MetricSpec(f"b{b}.tps", f"batch {b}: decode tok/s", "higher", 1)

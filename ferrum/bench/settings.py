@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "engine")
+WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "fairness", "engine")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,12 @@ class BenchSettings:
     noisy_before_tokens: int = 24  # tokens each stream yields before the long prompt is sent
     noisy_long_rules: int = 80  # handbook lines in the long prompt (~3,000 Gemma tokens)
     noisy_long_tokens: int = 4
+    # fairness: one client's requests take every slot (n choices each, long outputs) while
+    # another sends short chats one after another; their TTFT against that on an idle server
+    fair_chats: int = 8  # short chats on the idle server, and at most as many under the flood
+    fair_chat_tokens: int = 8
+    fair_flood_n: int = 8  # choices per flood request (the API's most); parallel / n requests
+    fair_flood_tokens: int = 256  # per choice
     # engine: in-process decode loop vs llama-batched-bench
     engine_batches: tuple[int, ...] = (1, 4, 8, 16)
     engine_prompt_tokens: int = 32
@@ -69,6 +75,8 @@ QUICK = BenchSettings(
     noisy_stream_tokens=48,
     noisy_before_tokens=8,
     noisy_long_rules=40,
+    fair_chats=4,
+    fair_flood_tokens=96,
     engine_batches=(1, 4, 16),
     engine_tokens=16,
     quiet_wait_s=2.0,
@@ -119,6 +127,9 @@ def _workload_seconds(s: BenchSettings, workload: str, serial: bool) -> float:
         long_prefill = s.noisy_long_rules * 37 / _PREFILL_TPS
         streams = _tokens(s.noisy_streams, s.noisy_stream_tokens, s.noisy_streams, serial)
         return long_prefill + streams
+    if workload == "fairness":
+        chats = 2 * _tokens(s.fair_chats, s.fair_chat_tokens, 1, serial)
+        return chats + _tokens(s.parallel, s.fair_flood_tokens, s.parallel, serial)
     if workload == "engine":
         decode = sum(_tokens(b, s.engine_tokens, b, False) for b in s.engine_batches)
         return 2 * (decode + 3.0)  # ferrum's loop and llama-batched-bench, each loads once

@@ -197,4 +197,59 @@ async def noisy(ctx: Context) -> tuple[dict, Metrics]:
     return {"streams": streams, "long": long, "t_send": t_send}, metrics
 
 
-WORKLOADS = {"sweep": sweep, "burst": burst, "multiturn": multiturn, "noisy": noisy}
+# ------------------------------------------------------------------ fairness
+
+
+async def fairness(ctx: Context) -> tuple[dict, Metrics]:
+    """Short chats one after another on the idle server; then requests with n choices each
+    that take every slot (`parallel`), long outputs, and, once each choice streams, short chats
+    one after another (new prompts) for as long as they run. Does one client's flood of choices
+    make another wait?"""
+    s = ctx.settings
+    idle_prompts = [ctx.prompts.unrelated() for _ in range(s.fair_chats)]
+    busy_prompts = [ctx.prompts.unrelated() for _ in range(s.fair_chats)]
+    n = min(s.fair_flood_n, s.parallel)
+    floods = [
+        Sample(prompt=ctx.prompts.unrelated(), max_tokens=s.fair_flood_tokens)
+        for _ in range(-(-s.parallel // n))
+    ]
+    idle = [await ctx.stream(p, s.fair_chat_tokens) for p in idle_prompts]
+    tasks = [
+        asyncio.create_task(
+            stream_completion(
+                ctx.client, ctx.model, f.prompt, f.max_tokens, ctx.dialect, sample=f, n=n
+            )
+        )
+        for f in floods
+    ]
+    while sum(len(f.choices_seen) for f in floods) < s.parallel and not all(
+        t.done() for t in tasks
+    ):
+        await asyncio.sleep(0.01)  # every choice decoding: every slot taken
+    busy = []
+    for p in busy_prompts:
+        if all(t.done() for t in tasks):
+            break
+        busy.append(await ctx.stream(p, s.fair_chat_tokens))
+    await asyncio.gather(*tasks)
+    await fill_counts(ctx.client, ctx.model, [*idle, *busy])
+    idle_p50, busy_p99 = percentile(_ttfts(idle), 50), percentile(_ttfts(busy), 99)
+    metrics: Metrics = {
+        "idle.ttft_p50": idle_p50,
+        "idle.ttft_p99": percentile(_ttfts(idle), 99),
+        "flood.ttft_p50": percentile(_ttfts(busy), 50),
+        "flood.ttft_p99": busy_p99,
+        "flood.p99_vs_idle": busy_p99 / idle_p50 if busy_p99 and idle_p50 else None,
+        "flood.chats": float(len(busy)),
+        "flood.wall_s": max(f.t_end for f in floods) - min(f.t_start for f in floods),
+    }
+    return {"idle": idle, "flood_chats": busy, "floods": floods}, metrics
+
+
+WORKLOADS = {
+    "sweep": sweep,
+    "burst": burst,
+    "multiturn": multiturn,
+    "noisy": noisy,
+    "fairness": fairness,
+}

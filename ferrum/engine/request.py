@@ -83,8 +83,12 @@ class Request:
     page_table: PageTable = field(default_factory=PageTable)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Prompt positions whose KV was reused from another sequence instead of computed.
+    # Prompt positions whose KV was reused from another sequence instead of computed (at
+    # its first admission: a resumed request's own KV is not a cache hit).
     num_cached_tokens: int = 0
+    admitted: bool = False
+    # Output tokens it had at its latest admission: how long it has run since (fairness).
+    output_at_admission: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

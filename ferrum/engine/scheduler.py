@@ -4,7 +4,7 @@ One step's batch, under a token budget that never exceeds llama's n_batch (going
 the process inside llama.cpp):
 
     [ decode A | decode B | decode C | prefill chunk D (≤ rest) | first chunk of E (≤ rest) ]
-      running requests, oldest first,   running prefills        newly admitted (FIFO)
+      running requests, oldest first,   running prefills        newly admitted (fair)
       one token each                    continue
 
 Decodes go first so a long prompt never stalls running streams; prefills take what is left.
@@ -20,8 +20,15 @@ Speculation (`speculation.py`): a decode may carry a draft after its token, with
 budget and `batch_max`, on blocks that are free without evicting anything; the engine moves
 progress past the draft tokens the runner accepted (`computed`).
 
-Admission is FIFO, with one exception: a request whose prefix is being computed right now by a
-running donor steps aside (without blocking those behind it) until the donor is done with it.
+Admission shares the running slots out fairly among tenants (`fairness.FairShare`): the oldest
+waiting request of the tenant holding the fewest slots goes next, so a single tenant is served
+FIFO. One exception: a request whose prefix is being computed right now by a running donor
+steps aside (without blocking those behind it) until the donor is done with it. While a
+waiting tenant holds less than its share of full slots, the tenant most above its share gives
+up its newest request that has generated `min_tokens` since its admission (anti-thrashing):
+that one's sequence is parked, not cleared, so its re-admission takes it over through the
+prefix index and continues where it stopped instead of recomputing it (its output is kept
+either way; without a prefix cache it is recomputed like a preemption for memory).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ferrum.engine.fairness import FairShare
 from ferrum.engine.kv import IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
@@ -73,11 +81,13 @@ class Scheduler:
         token_budget: int,
         watermark: float = 0.01,
         speculator: Speculator | None = None,
+        fairness: FairShare | None = None,
     ):
         if max_running <= 0 or token_budget <= 0:
             raise ValueError("max_running and token_budget must be positive")
         self.kv = kv
         self.speculator = speculator
+        self.fairness = fairness or FairShare()
         self.blocks = kv.blocks
         self.max_running = max_running
         self.token_budget = token_budget
@@ -119,6 +129,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+        self._share_out(out)
         budget = self._schedule_decodes(out, budget)
         budget = self._schedule_running_prefills(out, budget)
         self._admit(out, budget)
@@ -170,20 +181,31 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _share_out(self, out: SchedulerOutput) -> None:
+        """Slots for waiting tenants below their fair share, taken from those above it."""
+        for victim in self.fairness.victims(self.waiting, self.running, self.max_running):
+            self._preempt(victim, out, park=True)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[i]
+        passed: set[int] = set()  # ids of requests whose donor is computing their prefix
+        while budget > 0 and len(self.running) < self.max_running:
+            candidates = [r for r in self.waiting if id(r) not in passed]
+            if not candidates:
+                break
+            req = self.fairness.pick(candidates, self.running)
             reuse = self.kv.plan(req)
             if reuse is None:
-                i += 1  # its donor is computing the shared prefix: let others go first
+                passed.add(id(req))  # its donor is computing the shared prefix: others first
                 continue
             keep_free = self._watermark if self.running else 0
             reused = self.kv.admit(req, reuse, keep_free)
             if reused is None:
-                break  # FIFO: later requests wait behind one that does not fit
-            req.num_cached_tokens = req.num_computed_tokens = reused
-            del self.waiting[i]
+                break  # in order: later requests wait behind one that does not fit
+            if not req.admitted:
+                req.num_cached_tokens, req.admitted = reused, True
+            req.num_computed_tokens = reused
+            req.output_at_admission = req.num_output_tokens
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -199,12 +221,13 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, park: bool = False) -> None:
+        """Back to the head of the queue, output kept; `park`: its KV stays for it to resume
+        (a preemption for memory clears it: its blocks are what is needed)."""
         self.running.remove(req)
-        self.kv.release(req, park=False)
+        self.kv.release(req, park=park)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
         self.waiting.appendleft(req)
         out.preempted.append(req)
 

@@ -3,10 +3,12 @@
 Hypothesis drives `LLMEngine` through `AsyncEngine`, the way the server does, with the engine
 thread replaced by explicit pumps so every interleaving is reproducible. Rules: submit (prompts
 that repeat, share prefixes with or extend earlier ones; n choices as forks; streamed or
-answered whole), abort a waiting request, hang up on a request that already has tokens, fail
-the next decode of a running sequence, lose a parked sequence's sliding window, pump. After
-every rule the KV ledger is whole and no request has output after its finish (nor, answered
-whole, before it); at the end every request has ended and only parked sequences hold KV.
+answered whole; from one of a few tenants, whose fair shares reorder admission and preempt
+running requests, parked to be resumed), abort a waiting request, hang up on a request that
+already has tokens, fail the next decode of a running sequence, lose a parked sequence's
+sliding window, pump. After every rule the KV ledger is whole and no request has output after
+its finish (nor, answered whole, before it); at the end every request has ended and only
+parked sequences hold KV.
 
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
@@ -36,6 +38,8 @@ from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, mo
 
 ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
 KINDS = ["fresh", "same", "extend", "branch", "turn"]
+# Few tenants for 3 slots: fair admission and preemption for fairness happen all the time.
+TENANTS = ["x", "y", "z"]
 
 
 class _PumpedAsyncEngine(AsyncEngine):
@@ -175,8 +179,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 48), whole=st.booleans())
-    def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool) -> None:
+    @rule(
+        data=st.data(),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 48),
+        whole=st.booleans(),
+        tenant=st.sampled_from(TENANTS),
+    )
+    def submit(
+        self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str
+    ) -> None:
         prompt = self._draw_prompt(data)
         try:
             self.front.check_capacity(n)
@@ -187,7 +199,7 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            params = sampling(max_tokens=max_tokens)
+            params = sampling(max_tokens=max_tokens, tenant=tenant)  # n choices: one tenant
             stream = self.front.submit(rid, prompt, params, True, whole)
             self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole)
         self.histories.append(prompt)

@@ -116,3 +116,120 @@ def test_finish_of_a_waiting_request_frees_nothing_it_did_not_hold():
     s.finish(b, FinishReason.ABORT)
     assert b.status is RequestStatus.FINISHED and not s.waiting
     s.check_integrity()
+
+
+# -- fair shares of the slots ----------------------------------------------------------------
+
+
+def _tenant_req(rid: str, tenant: str, n_prompt: int = 4, max_tokens: int = 100) -> Request:
+    params = sampling(tenant=tenant, max_tokens=max_tokens)
+    return Request(rid, list(range(1, n_prompt + 1)), params)
+
+
+def _ids(out) -> list[str]:
+    return [c.request.request_id for c in out.chunks]
+
+
+def test_admission_takes_the_tenant_holding_fewest_slots_first_fifo_within_a_tenant():
+    s = _sched(64, 16, 2, 100)
+    for r in (_tenant_req("a1", "A"), _tenant_req("a2", "A"), _tenant_req("b1", "B")):
+        s.add(r)
+    out = s.schedule()
+    assert _ids(out) == ["a1", "b1"]  # FIFO would run a1 and a2, and b1 would wait
+    s.finish(s.running[0], FinishReason.STOP)
+    assert "a2" in _ids(s.schedule())
+    s.check_integrity()
+
+
+def test_a_tenant_alone_may_hold_every_slot_in_fifo_order_and_is_never_preempted():
+    s = _sched(64, 16, 4, 100)
+    flood = [_tenant_req(f"a{i}", "A") for i in range(6)]
+    for r in flood:
+        s.add(r)
+    assert _ids(s.schedule()) == ["a0", "a1", "a2", "a3"]
+    for _ in range(10):
+        out = s.schedule()
+        assert not out.preempted
+        _advance(out)
+    assert [r.request_id for r in s.waiting] == ["a4", "a5"]
+
+
+def test_a_newcomer_gets_a_slot_from_a_tenant_holding_every_slot_within_a_few_steps():
+    s = _sched(256, 4, 8, 512)
+    for i in range(8):  # one request with n=8: eight choices, one tenant
+        s.add(_tenant_req(f"flood-{i}", "A"))
+    for _ in range(6):
+        _advance(s.schedule())
+    chat = _tenant_req("chat", "B", max_tokens=2)
+    s.add(chat)
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["flood-7"]  # A's newest
+    assert "chat" in _ids(out) and chat.status is RequestStatus.RUNNING
+    victim = out.preempted[0]
+    assert victim.output_token_ids == [5] * 6  # output kept: it resumes, nothing is lost
+    assert s.waiting[0] is victim
+    s.check_integrity()
+
+
+def test_a_request_preempted_for_fairness_is_not_preempted_again_right_after_it_resumes():
+    s = _sched(256, 4, 2, 512)
+    a1, a2 = _tenant_req("a1", "A"), _tenant_req("a2", "A")
+    s.add(a1)
+    s.add(a2)
+    for _ in range(6):
+        _advance(s.schedule())
+    s.add(_tenant_req("b1", "B"))
+    out = s.schedule()
+    assert out.preempted == [a2]
+    _advance(out)
+    s.finish(s.running[-1], FinishReason.STOP)  # b1 done: a2 resumes in its slot
+    _advance(s.schedule())
+    assert a2.status is RequestStatus.RUNNING
+    s.add(_tenant_req("b2", "B"))
+    out = s.schedule()
+    # b2 is owed a slot, but a2 has run no token since it resumed: a1 goes instead.
+    assert out.preempted == [a1]
+    s.check_integrity()
+
+
+def test_a_request_that_just_started_is_preempted_only_once_it_has_made_a_few_tokens():
+    s = _sched(256, 4, 2, 512)
+    s.add(_tenant_req("a1", "A"))
+    s.add(_tenant_req("a2", "A"))
+    _advance(s.schedule())  # each has its first token: 1 of the 4 needed
+    s.add(_tenant_req("b", "B"))
+    waits = 0
+    while not (out := s.schedule()).preempted:
+        waits += 1
+        _advance(out)
+    assert waits == 3 and [r.request_id for r in out.preempted] == ["a2"]
+    assert _ids(out) == ["a1", "b"]
+
+
+def test_a_request_preempted_for_fairness_resumes_its_parked_sequence_with_the_same_output():
+    from tests.factories import FakeRunner, fake_engine, model_info, run_to_completion
+    from tests.unit.test_engine_state_machine import expected_tokens
+
+    runner = FakeRunner(info=model_info(n_seq_max=4))  # 2 running, 2 parked
+    engine = fake_engine(runner, block_size=4)
+    prompts = {"a0": list(b"one user's first prompt"), "a1": list(b"and their second one")}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, sampling(tenant="A", max_tokens=30))
+    for _ in range(8):
+        engine.step()
+    victim = engine.scheduler.running[-1]
+    engine.add_request("b", list(b"hi"), sampling(tenant="B", max_tokens=2))
+    engine.step()
+    assert victim.status is RequestStatus.WAITING
+    [parked] = engine.kv_manager.parked
+    assert parked.all_token_ids == victim.all_token_ids[:-1]  # all it had computed
+    cleared = len(runner.cleared)
+    while victim.status is not RequestStatus.RUNNING:
+        engine.step()
+    # It continues its own sequence: nothing cleared, nothing recomputed.
+    assert victim.seq_id == parked.seq_id and parked.seq_id not in runner.cleared[cleared:]
+    assert victim.num_cached_tokens == 0  # its own KV taken back is no cache hit
+    results = run_to_completion(engine)
+    for rid in prompts:
+        assert results[rid]["final"].finish_reason == "length"
+    assert victim.output_token_ids == expected_tokens(prompts[victim.request_id], 30)
