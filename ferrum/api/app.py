@@ -24,11 +24,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
-from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.anthropic import error_response as anthropic_error
+from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
-from ferrum.api.ollama import add_ollama_routes
+from ferrum.api.ollama import add_ollama_routes, speaks_ollama
+from ferrum.api.ollama import error_response as ollama_error
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +47,7 @@ from ferrum.api.serving import (
     prepare_chat,
     prepare_completion,
 )
+from ferrum.api.transport import BodyCap, needs_cap, too_large
 from ferrum.errors import (
     AuthenticationError,
     ClientGone,
@@ -88,11 +90,20 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def error_response(exc: FerrumError, path: str) -> JSONResponse:
-    """An error in the shape of the API its path belongs to (Anthropic's or OpenAI's)."""
+    """An error in the shape of the API its path belongs to (Anthropic's, Ollama's or
+    OpenAI's)."""
     if speaks_anthropic(path):
-        return anthropic_error(exc)
-    headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+        response = anthropic_error(exc)
+    elif speaks_ollama(path):
+        response = ollama_error(exc)
+    else:
+        headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
+        response = JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+    if isinstance(exc, RequestTooLarge):
+        # The body's unread rest is still coming: closing the connection stops it, where
+        # keep-alive would make the server read it all to find the next request.
+        response.headers["connection"] = "close"
+    return response
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -136,14 +147,16 @@ def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:
 def _check_body_size(request: Request) -> None:
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise RequestTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        raise too_large(MAX_BODY_BYTES)
 
 
 class _Gate:
-    """API key and body size, checked before routing.
+    """API key and body size, checked before routing; a body of no declared length is
+    counted as it arrives (`transport.BodyCap`).
 
     A plain ASGI middleware: FastAPI's `@app.middleware("http")` wraps `receive`, which hides
-    client disconnects from handlers and adds a hop to every streamed chunk.
+    client disconnects from handlers and adds a hop to every streamed chunk. A request with a
+    declared length passes through untouched.
     """
 
     def __init__(self, app: Any, state: ServerState):
@@ -158,7 +171,21 @@ class _Gate:
             except FerrumError as exc:
                 await error_response(exc, request.url.path)(scope, receive, send)
                 return
+            if needs_cap(scope["headers"]):
+                await self._capped(scope, receive, send, request.url.path)
+                return
         await self.app(scope, receive, send)
+
+    async def _capped(self, scope: Any, receive: Any, send: Any, path: str) -> None:
+        cap = BodyCap(receive, send, MAX_BODY_BYTES)
+        try:
+            await self.app(scope, cap.receive, cap.send)
+        except Exception:
+            if not cap.over:
+                raise
+        if cap.over:  # whatever the route made of the cut body was dropped: this answers
+            log.info("refused %s %s: body over %d bytes", scope["method"], path, MAX_BODY_BYTES)
+            await error_response(too_large(MAX_BODY_BYTES), path)(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -32,7 +32,7 @@ from ferrum.api.ollama.models import add_model_routes, add_store_routes
 from ferrum.api.serving import ServerState
 from ferrum.errors import ClientGone, FerrumError, TooManyRequests
 
-__all__ = ["Handler", "Route", "add_ollama_routes"]
+__all__ = ["Handler", "Route", "add_ollama_routes", "error_response", "speaks_ollama"]
 
 log = logging.getLogger("ferrum.api")
 
@@ -67,7 +67,13 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"error": f"no such route: {request.url.path}"}, status_code=404)
 
 
-def _error(exc: FerrumError) -> JSONResponse:
+def speaks_ollama(path: str) -> bool:
+    """Whether a path is Ollama's, whose errors take Ollama's shape (`error_response`)."""
+    return path.startswith("/api/")
+
+
+def error_response(exc: FerrumError) -> JSONResponse:
+    """`{"error": message}` with the error's status, as Ollama answers."""
     headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 
@@ -83,7 +89,7 @@ def _api(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]:
             except FerrumError as exc:
                 if isinstance(exc, ClientGone):
                     log.info("%s %s: %s", method, path, exc.message)
-                return _error(exc)
+                return error_response(exc)
 
         app.add_api_route(path, handler, methods=[method], include_in_schema=False)
         return fn
