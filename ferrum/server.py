@@ -60,6 +60,8 @@ class _Loader:
 
     async def load(self, spec: ModelSpec) -> Loaded:
         model = await asyncio.to_thread(self._build, spec)
+        # Measured once now, not by the first request that needs it (a scan of the vocabulary).
+        await asyncio.to_thread(model.vocab.max_token_bytes)
         if isinstance(model, ServedModel):
             model.engine.start()
         if model.embedder is not None:

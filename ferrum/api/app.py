@@ -46,11 +46,14 @@ from ferrum.api.serving import (
     complete,
     prepare_chat,
     prepare_completion,
+    refuse_unfit_text,
+    utf8_length,
 )
 from ferrum.api.transport import BodyCap, needs_cap, too_large
 from ferrum.errors import (
     AuthenticationError,
     ClientGone,
+    ContextLengthExceeded,
     FerrumError,
     InvalidRequest,
     NotFound,
@@ -294,6 +297,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         lease = await acquire(state, request, body.model)
         try:
+            model = lease.model
+            refuse_unfit_text(model.vocab, utf8_length(body.content), _n_ctx(model), "content")
             tokens = await asyncio.to_thread(
                 lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
             )
@@ -305,8 +310,15 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         lease = await acquire(state, request, body.model)
         try:
-            tokens = check_token_ids(_n_vocab(lease.model), body.tokens, "tokens")
-            data = b"".join(lease.model.vocab.token_bytes(t) for t in tokens)
+            model = lease.model
+            if len(body.tokens) > _n_ctx(model):
+                # No sequence of this model is longer; joining millions of ids takes seconds.
+                raise ContextLengthExceeded(
+                    f"{len(body.tokens)} tokens; this model's context holds {_n_ctx(model)}",
+                    param="tokens",
+                )
+            tokens = check_token_ids(_n_vocab(model), body.tokens, "tokens")
+            data = await asyncio.to_thread(b"".join, map(model.vocab.token_bytes, tokens))
         finally:
             lease.release()
         return {"content": data.decode("utf-8", "replace")}
@@ -329,6 +341,10 @@ def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _n_vocab(model: Loaded) -> int:
     return model.info.n_vocab if isinstance(model, ServedModel) else model.embedder.info.n_vocab
+
+
+def _n_ctx(model: Loaded) -> int:
+    return model.info.n_ctx if isinstance(model, ServedModel) else model.embedder.info.max_tokens
 
 
 def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
