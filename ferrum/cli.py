@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from ferrum.api.transport import header_deadline_protocol
 from ferrum.bench.command import add_parser as add_bench_parser
 from ferrum.cluster.settings import ClusterConfig, ClusterSettings
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
@@ -144,18 +145,26 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: Models
 
     app, summary = build_server(engine_cfg, server_cfg, models_cfg)
     log.info("%s", summary)
-    config = uvicorn.Config(
+    server = _GracefulServer(uvicorn_config(app, server_cfg))
+    server.run()
+    if not server.started:  # the default model failed to load (logged): nothing was served
+        raise ModelLoadError("the server did not start; see the log above")
+
+
+def uvicorn_config(app: Any, server_cfg: ServerConfig) -> uvicorn.Config:
+    """How `ferrum serve` runs uvicorn: its address, logs, grace, and a deadline on request
+    heads (`ferrum.api.transport`); idle connections between requests are closed by uvicorn's
+    own keep-alive timeout."""
+    timeout = server_cfg.header_timeout
+    return uvicorn.Config(
         app,
         host=server_cfg.host,
         port=server_cfg.port,
         log_level=server_cfg.log_level,
         access_log=server_cfg.log_level == "debug",
         timeout_graceful_shutdown=math.ceil(server_cfg.shutdown_grace),
+        http=header_deadline_protocol(timeout) if timeout > 0 else "auto",
     )
-    server = _GracefulServer(config)
-    server.run()
-    if not server.started:  # the default model failed to load (logged): nothing was served
-        raise ModelLoadError("the server did not start; see the log above")
 
 
 def _cluster(settings: ClusterSettings) -> None:

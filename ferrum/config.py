@@ -242,6 +242,14 @@ class ServerConfig:
         default=0.0,
         metadata=_flag("--request-timeout", help="seconds a request may take (0: no limit)"),
     )
+    header_timeout: float = field(
+        default=10.0,
+        metadata=_flag(
+            "--header-timeout",
+            help="seconds a connection has to send a request's head, from its opening or the "
+            "head's first byte; then it is closed (slow or idle clients; 0: no limit)",
+        ),
+    )
     shutdown_grace: float = field(
         default=10.0,
         metadata=_flag(

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 
@@ -35,13 +38,26 @@ from ferrum.models.units import parse_duration, parse_size
 from ferrum.server_metrics import ServerMetrics
 
 log = logging.getLogger("ferrum")
+T = TypeVar("T")
 
 
 class _Loader:
-    """Builds a served model from its spec (runner, engine, template) and tears it down."""
+    """Builds a served model from its spec (runner, engine, template) and tears it down.
 
-    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig, metrics: ServerMetrics):
+    Loads and unloads (reading weights, freeing contexts: seconds each) run on `threads`, a
+    pool of their own: on the default pool, which requests use for their short thread work,
+    a few long jobs there (pulls once took all of it) made every model load wait, and a
+    burst of loads would make /tokenize and embeddings wait in turn."""
+
+    def __init__(
+        self,
+        engine_cfg: EngineConfig,
+        server_cfg: ServerConfig,
+        metrics: ServerMetrics,
+        threads: ThreadPoolExecutor,
+    ):
         self.engine_cfg, self.server_cfg, self.metrics = engine_cfg, server_cfg, metrics
+        self.threads = threads
         # One set of turns for every engine this server runs (None: they decode side by side).
         self.turns = Turns() if engine_cfg.engine_turns == "shared" else None
         self.preparer = Preparer(self.turns)  # every chat model's requests
@@ -59,7 +75,9 @@ class _Loader:
         )
 
     async def load(self, spec: ModelSpec) -> Loaded:
-        model = await asyncio.to_thread(self._build, spec)
+        model = await self._in_thread(self._build, spec)
+        # Measured once now, not by the first request that needs it (a scan of the vocabulary).
+        await self._in_thread(model.vocab.max_token_bytes)
         if isinstance(model, ServedModel):
             model.engine.start()
         if model.embedder is not None:
@@ -163,7 +181,10 @@ class _Loader:
             await model.embedder.stop()
         # The engine threads have ended and the lease rule kept every preparing request
         # away: nothing uses the runners or their vocabularies any more.
-        await asyncio.to_thread(model.close_runner)
+        await self._in_thread(model.close_runner)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     def estimate(self, spec: ModelSpec) -> int:
         cfg = self.engine_config(spec)
@@ -177,7 +198,9 @@ def build_server(
     store = ModelStore(models_cfg.models_dir or default_models_dir())
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets))
     metrics = ServerMetrics()
-    loader = _Loader(engine_cfg, server_cfg, metrics)
+    # At most this many loads and unloads at once; more wait their turn.
+    threads = ThreadPoolExecutor(4, "ferrum-load")
+    loader = _Loader(engine_cfg, server_cfg, metrics, threads)
     registry: Registry[Loaded] = Registry(
         specs,
         loader.load,
@@ -187,6 +210,7 @@ def build_server(
         max_models=models_cfg.max_models,
         memory_budget=memory_budget(models_cfg.memory_budget, engine_cfg.gpu_layers > 0),
         observer=metrics,
+        threads=threads,
     )
     state = ServerState(
         models=registry,

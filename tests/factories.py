@@ -84,6 +84,9 @@ class FakeVocab:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def max_token_bytes(self) -> int:
+        return 1  # a byte a token; BOS and EOS are never parsed from text
+
     def check_grammar(self, grammar: str) -> None:
         if not grammar.strip():
             raise ValueError("empty grammar")

@@ -47,10 +47,14 @@ from ferrum.api.serving import (
     complete,
     prepare_chat,
     prepare_completion,
+    refuse_unfit_text,
+    utf8_length,
 )
+from ferrum.api.transport import BodyCap, needs_cap, too_large
 from ferrum.errors import (
     AuthenticationError,
     ClientGone,
+    ContextLengthExceeded,
     FerrumError,
     InvalidRequest,
     NotFound,
@@ -93,11 +97,17 @@ def error_response(exc: FerrumError, path: str) -> JSONResponse:
     """An error in the shape of the API its path belongs to (Anthropic's, Ollama's or
     OpenAI's)."""
     if speaks_anthropic(path):
-        return anthropic_error(exc)
-    if speaks_ollama(path):
-        return ollama_error(exc)
-    headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
-    return JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+        response = anthropic_error(exc)
+    elif speaks_ollama(path):
+        response = ollama_error(exc)
+    else:
+        headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
+        response = JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
+    if isinstance(exc, RequestTooLarge):
+        # The body's unread rest is still coming: closing the connection stops it, where
+        # keep-alive would make the server read it all to find the next request.
+        response.headers["connection"] = "close"
+    return response
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -141,14 +151,16 @@ def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:
 def _check_body_size(request: Request) -> None:
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise RequestTooLarge(f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        raise too_large(MAX_BODY_BYTES)
 
 
 class _Gate:
-    """API key and body size, checked before routing.
+    """API key and body size, checked before routing; a body of no declared length is
+    counted as it arrives (`transport.BodyCap`).
 
     A plain ASGI middleware: FastAPI's `@app.middleware("http")` wraps `receive`, which hides
-    client disconnects from handlers and adds a hop to every streamed chunk.
+    client disconnects from handlers and adds a hop to every streamed chunk. A request with a
+    declared length passes through untouched.
     """
 
     def __init__(self, app: Any, state: ServerState):
@@ -163,7 +175,21 @@ class _Gate:
             except FerrumError as exc:
                 await error_response(exc, request.url.path)(scope, receive, send)
                 return
+            if needs_cap(scope["headers"]):
+                await self._capped(scope, receive, send, request.url.path)
+                return
         await self.app(scope, receive, send)
+
+    async def _capped(self, scope: Any, receive: Any, send: Any, path: str) -> None:
+        cap = BodyCap(receive, send, MAX_BODY_BYTES)
+        try:
+            await self.app(scope, cap.receive, cap.send)
+        except Exception:
+            if not cap.over:
+                raise
+        if cap.over:  # whatever the route made of the cut body was dropped: this answers
+            log.info("refused %s %s: body over %d bytes", scope["method"], path, MAX_BODY_BYTES)
+            await error_response(too_large(MAX_BODY_BYTES), path)(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -274,6 +300,8 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         lease = await acquire(state, request, body.model)
         try:
+            model = lease.model
+            refuse_unfit_text(model.vocab, utf8_length(body.content), _n_ctx(model), "content")
             tokens = await asyncio.to_thread(
                 lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
             )
@@ -285,8 +313,15 @@ def _add_server_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
         lease = await acquire(state, request, body.model)
         try:
-            tokens = check_token_ids(_n_vocab(lease.model), body.tokens, "tokens")
-            data = b"".join(lease.model.vocab.token_bytes(t) for t in tokens)
+            model = lease.model
+            if len(body.tokens) > _n_ctx(model):
+                # No sequence of this model is longer; joining millions of ids takes seconds.
+                raise ContextLengthExceeded(
+                    f"{len(body.tokens)} tokens; this model's context holds {_n_ctx(model)}",
+                    param="tokens",
+                )
+            tokens = check_token_ids(_n_vocab(model), body.tokens, "tokens")
+            data = await asyncio.to_thread(b"".join, map(model.vocab.token_bytes, tokens))
         finally:
             lease.release()
         return {"content": data.decode("utf-8", "replace")}
@@ -309,6 +344,10 @@ def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _n_vocab(model: Loaded) -> int:
     return model.info.n_vocab if isinstance(model, ServedModel) else model.embedder.info.n_vocab
+
+
+def _n_ctx(model: Loaded) -> int:
+    return model.info.n_ctx if isinstance(model, ServedModel) else model.embedder.info.max_tokens
 
 
 def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:

@@ -29,7 +29,14 @@ from pydantic import Field
 
 from ferrum.api.loaded import Embedder, EmbeddingModel, Loaded
 from ferrum.api.protocol import _Body
-from ferrum.api.serving import ServerState, acquire, check_token_ids
+from ferrum.api.serving import (
+    ServerState,
+    acquire,
+    check_token_ids,
+    refuse_unfit_text,
+    unless_gone,
+    utf8_length,
+)
 from ferrum.engine.batch import Vocabulary
 from ferrum.errors import InvalidRequest
 from ferrum.models.registry import Lease
@@ -98,7 +105,9 @@ def tokenize_inputs(
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"{where} is an empty string", param=where)
-            tokens = vocab.tokenize(item, True, False)
+            tokens = vocab.tokenize(
+                bounded(vocab, item, facts.max_tokens, truncate, where), True, False
+            )
         else:
             if not item:
                 raise InvalidRequest(f"{where} is an empty token array", param=where)
@@ -117,6 +126,18 @@ def _items(raw: str | list[str] | list[int] | list[list[int]]) -> list[str | lis
     return [x for x in raw if not isinstance(x, int)]
 
 
+def bounded(vocab: Vocabulary, text: str, limit: int, truncate: bool, where: str) -> str:
+    """The text, or as much of it as `limit` tokens can come from, before it is tokenized:
+    a text too long to fit is refused unless `truncate`, which cuts it instead (tokenizing
+    megabytes to keep 512 tokens would take seconds). The cut keeps twice the bytes `limit`
+    tokens can stand for (counted in characters, at least as many bytes), so the tokens kept
+    from it are those the whole text begins with."""
+    if not truncate:
+        refuse_unfit_text(vocab, utf8_length(text), limit, where)
+        return text
+    return text[: 2 * limit * vocab.max_token_bytes()]
+
+
 def _fit(tokens: list[int], limit: int, truncate: bool, where: str) -> list[int]:
     if len(tokens) <= limit:
         return tokens
@@ -128,6 +149,11 @@ def _fit(tokens: list[int], limit: int, truncate: bool, where: str) -> list[int]
             code="context_length_exceeded",
         )
     return tokens[: limit - 1] + tokens[-1:]  # keep the closing special token
+
+
+def deadline(state: ServerState) -> float | None:
+    """An embedding's deadline: the server's --request-timeout (0: none)."""
+    return state.request_timeout if state.request_timeout > 0 else None
 
 
 def normalised(v: Vector) -> Vector:
@@ -145,14 +171,18 @@ async def embed_texts(
     lease: Lease[Loaded],
     raw: str | list[str] | list[int] | list[list[int]],
     truncate: bool,
+    http: Any,
+    deadline: float | None,
     max_inputs: int = MAX_INPUTS,
 ) -> tuple[list[Vector], int]:
-    """Normalised vectors for every input, and the number of tokens they took."""
+    """Normalised vectors for every input, and the number of tokens they took. A client that
+    hangs up, or a passed `deadline` (seconds; a 408), cancels the embedding: the engine
+    drops the inputs not yet decoded."""
     embedder = embedder_of(lease)
     tokens = await asyncio.to_thread(
         tokenize_inputs, _vocab(lease.model), embedder, raw, truncate, "input", max_inputs
     )
-    vectors = await embedder.embed(tokens)
+    vectors = await unless_gone(http, embedder.embed(tokens), deadline)
     _count(lease.model, len(tokens), sum(map(len, tokens)))
     return [normalised(v) for v in vectors], sum(map(len, tokens))
 
@@ -172,7 +202,9 @@ async def embeddings(state: ServerState, http: Any, body: EmbeddingRequest) -> d
                 f"{n_embd}",
                 param="dimensions",
             )
-        vectors, n_tokens = await embed_texts(lease, body.input, body.truncate)
+        vectors, n_tokens = await embed_texts(
+            lease, body.input, body.truncate, http, deadline(state)
+        )
     finally:
         lease.release()
     data = [
@@ -193,12 +225,15 @@ async def rerank(state: ServerState, http: Any, body: RerankRequest) -> dict[str
     try:
         embedder = embedder_of(lease)
         if embedder.info.pooling == "rank":
-            scores, n_tokens = await _cross_scores(lease, embedder, body.query, texts, body)
+            scores, n_tokens = await _cross_scores(
+                lease, embedder, texts, body, http, deadline(state)
+            )
             scoring = "cross-encoder"
         else:
             # The query rides along: MAX_INPUTS documents are one input more.
-            queried = [body.query, *texts]
-            vectors, n_tokens = await embed_texts(lease, queried, body.truncate, MAX_INPUTS + 1)
+            vectors, n_tokens = await embed_texts(
+                lease, [body.query, *texts], body.truncate, http, deadline(state), MAX_INPUTS + 1
+            )
             scores = [float(np.dot(vectors[0], v)) for v in vectors[1:]]
             scoring = "cosine"
     finally:
@@ -220,7 +255,12 @@ async def rerank(state: ServerState, http: Any, body: RerankRequest) -> dict[str
 
 
 async def _cross_scores(
-    lease: Lease[Loaded], embedder: Embedder, query: str, texts: list[str], body: RerankRequest
+    lease: Lease[Loaded],
+    embedder: Embedder,
+    texts: list[str],
+    body: RerankRequest,
+    http: Any,
+    limit_s: float | None,
 ) -> tuple[list[float], int]:
     """One score per (query, document) pair, from a cross-encoder's rank pooling. A pair is
     the query with its special tokens, then the document without them, closed by the query's
@@ -228,16 +268,17 @@ async def _cross_scores(
     vocab = _vocab(lease.model)
 
     def pairs() -> list[list[int]]:
-        q = vocab.tokenize(query, True, False)
         limit = embedder.info.max_tokens
+        q = vocab.tokenize(bounded(vocab, body.query, limit, body.truncate, "query"), True, False)
         out = []
         for i, text in enumerate(texts):
+            text = bounded(vocab, text, limit, body.truncate, f"documents[{i}]")
             pair = q + vocab.tokenize(text, False, False) + q[-1:]
             out.append(_fit(pair, limit, body.truncate, f"documents[{i}]"))
         return out
 
     tokens = await asyncio.to_thread(pairs)
-    outputs = await embedder.embed(tokens)
+    outputs = await unless_gone(http, embedder.embed(tokens), limit_s)
     _count(lease.model, len(tokens), sum(map(len, tokens)))
     return [float(o[0]) for o in outputs], sum(map(len, tokens))
 

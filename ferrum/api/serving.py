@@ -30,7 +30,7 @@ from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import Vocabulary
 from ferrum.engine.request import SamplingParams
-from ferrum.errors import ClientGone, InvalidRequest, RequestTimeout
+from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
 from ferrum.models.units import parse_duration
@@ -75,6 +75,8 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     A forced tool choice and a JSON response_format would each need their own grammar over
     the same output, so they are refused together."""
     body.reject_unsupported()
+    text_bytes = sum(utf8_length(m.text()) for m in body.messages)
+    refuse_unfit_text(model.vocab, text_bytes, model.info.n_ctx, "messages")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt = chat_prompt(model.formatter, model.vocab, model.system, body, tools)
     fmt = model.formatter.tool_format
@@ -115,10 +117,28 @@ def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
     body.reject_unsupported()
     prompt_in = body.prompt_input()
     if isinstance(prompt_in, str):
+        refuse_unfit_text(model.vocab, utf8_length(prompt_in), model.info.n_ctx, "prompt")
         prompt = model.vocab.tokenize(prompt_in, True, True)
     else:
         prompt = check_token_ids(model.info.n_vocab, prompt_in, "prompt")
     return Prepared(prompt, CompletionKind(chat=False, token_bytes=model.vocab.token_bytes))
+
+
+def utf8_length(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def refuse_unfit_text(vocab: Vocabulary, n_bytes: int, max_tokens: int, param: str) -> None:
+    """Refuses, before any tokenizing, a text too long to be `max_tokens` tokens: tokenizing
+    megabytes takes seconds of the thread that prepares every model's requests. A text
+    within this bound may still not fit; the tokens decide that."""
+    limit = max_tokens * vocab.max_token_bytes()
+    if n_bytes > limit:
+        raise ContextLengthExceeded(
+            f"the {param} text is {n_bytes} bytes: more than {max_tokens} tokens of this "
+            f"model can hold ({limit} bytes at most)",
+            param=param,
+        )
 
 
 def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:

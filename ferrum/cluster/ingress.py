@@ -32,8 +32,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from ferrum.api.anthropic.errors import error_body as anthropic_error_body
 from ferrum.api.anthropic.errors import speaks_anthropic
-from ferrum.api.app import check_gate, error_response
+from ferrum.api.app import MAX_BODY_BYTES, check_gate, error_response
 from ferrum.api.auth import Keys, caller_of
+from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
 from ferrum.cluster.keys import (
     PromptKeys,
@@ -127,9 +128,9 @@ class Relay:
         path = request.url.path
         try:  # the key and size first, as `ferrum serve` checks them, before any work
             check_gate(self.gate_keys, self.settings.server.public_metrics, request)
+            body = await read_body(request, MAX_BODY_BYTES)  # a chunked body too
         except FerrumError as exc:
             return _error(path, exc)
-        body = await request.body()
         key = await self._key(path, body)
         relayed = Relayed(
             request.method, path, request.url.query.encode(), list(request.headers.raw), body
@@ -246,9 +247,7 @@ def _error_body(path: str, exc: FerrumError) -> dict[str, Any]:
 
 
 def _error(path: str, exc: FerrumError) -> JSONResponse:
-    if path.startswith("/api/"):  # Ollama's shape, as its routes answer their errors
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
-    return error_response(exc, path)
+    return error_response(exc, path)  # the route's own dialect, as `ferrum serve` answers
 
 
 def _stream_error(path: str, content_type: str, message: str) -> bytes:

@@ -92,6 +92,12 @@ class Vocabulary(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (its piece or, for a special token,
+        its spelling): a text of more than n times this cannot tokenize into n tokens or fewer.
+        Computed once per vocabulary."""
+        ...
+
     def check_grammar(self, grammar: str) -> None:
         """ValueError when the GBNF text cannot be parsed; a parsed grammar is kept, so a
         request that uses it later is not parsed again."""

@@ -96,6 +96,7 @@ class LlamaVocab:
         self._piece_cache: dict[int, bytes] = {}
         self._eog_cache: dict[int, bool] = {}
         self._end_tokens: list[int] | None = None
+        self._max_token_bytes = 0  # 0: not yet measured
         self._grammars: SizedLRU[str, Any] = SizedLRU(
             _GRAMMARS_KEPT, kept_grammar_bytes, on_evict=ll.llama_sampler_free
         )
@@ -136,6 +137,20 @@ class LlamaVocab:
             return ""
         text: bytes = ll.llama_vocab_get_text(self._vocab, token)
         return text.decode("utf-8", "replace")
+
+    def max_token_bytes(self) -> int:
+        """The longest token, as its piece or its spelling (a special token is its text when
+        parsed, a byte token `<0x0A>` spells longer than its byte): one scan, then kept. The
+        pieces are measured outside `token_bytes`, whose cache would keep every token."""
+        if not self._max_token_bytes:
+            buf = ctypes.create_string_buffer(256)
+            longest = 1
+            for token in range(self.n_vocab):
+                n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                text = ll.llama_vocab_get_text(self._vocab, token) or b""
+                longest = max(longest, abs(n), len(text))
+            self._max_token_bytes = longest
+        return self._max_token_bytes
 
     def is_eog(self, token: int) -> bool:
         eog = self._eog_cache.get(token)

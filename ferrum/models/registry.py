@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -109,6 +110,7 @@ class Registry(Generic[T]):
         max_models: int = 0,
         memory_budget: int = 0,
         observer: RegistryObserver | None = None,
+        threads: Executor | None = None,  # where `estimate` runs (None: the default pool)
     ):
         if not specs:
             raise ValueError("a registry needs at least one model")
@@ -121,6 +123,7 @@ class Registry(Generic[T]):
         self.max_models = max_models
         self.memory_budget = memory_budget
         self._observer = observer
+        self._threads = threads
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one load or eviction decision at a time
@@ -237,7 +240,8 @@ class Registry(Generic[T]):
 
     async def _make_room(self, slot: _Slot[T]) -> None:
         if not slot.estimate:
-            slot.estimate = await asyncio.to_thread(self._estimate, slot.spec)
+            loop = asyncio.get_running_loop()
+            slot.estimate = await loop.run_in_executor(self._threads, self._estimate, slot.spec)
         need = slot.estimate
         if self.memory_budget and need > self.memory_budget:
             raise InsufficientMemory(

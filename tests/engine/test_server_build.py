@@ -4,6 +4,8 @@ model it names loads with the flags given."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.server import build_server
@@ -28,3 +30,26 @@ def test_startup_line_states_the_flags_as_given(tiny_llama, tmp_path):
         await registry.close()
 
     asyncio.run(load_and_close())
+
+
+def test_a_model_loads_while_the_default_thread_pool_is_taken(tiny_llama, tmp_path):
+    """Six hung-up pulls once held the default pool for minutes, and every model load waited
+    behind them: loads and unloads have threads of their own."""
+    engine_cfg = EngineConfig(ctx_size=512, parallel=2, batch_size=64, threads=2)
+    models = ModelsConfig(model=(f"tiny={tiny_llama}",), models_dir=str(tmp_path))
+    registry = build_server(engine_cfg, ServerConfig(port=9999), models)[0].state.ferrum.models
+
+    async def load_beside_a_full_pool() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        release = threading.Event()
+        busy = asyncio.ensure_future(asyncio.to_thread(release.wait))  # the pool's one thread
+        try:
+            lease = await asyncio.wait_for(registry.acquire("tiny"), 20)
+            lease.release()
+        finally:
+            release.set()
+            await busy
+            await registry.close()
+
+    asyncio.run(load_beside_a_full_pool())

@@ -73,6 +73,7 @@ def speaks_ollama(path: str) -> bool:
 
 
 def error_response(exc: FerrumError) -> JSONResponse:
+    """`{"error": message}` with the error's status, as Ollama answers."""
     headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
 

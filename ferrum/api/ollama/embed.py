@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from ferrum.api.embeddings import embed_texts, embedder_of
+from ferrum.api.embeddings import deadline, embed_texts, embedder_of
 from ferrum.api.ollama.bodies import _Body, parse
 from ferrum.api.serving import ServerState, acquire
 from ferrum.errors import InvalidRequest
@@ -54,7 +54,9 @@ def add_embed_routes(route: Route, state: ServerState) -> None:
                     "trained for shorter ones",
                     param="dimensions",
                 )
-            vectors, tokens = await embed_texts(lease, body.input, body.truncate)
+            vectors, tokens = await embed_texts(
+                lease, body.input, body.truncate, request, deadline(state)
+            )
         finally:
             lease.release()
         end = time.perf_counter_ns()
@@ -73,7 +75,7 @@ def add_embed_routes(route: Route, state: ServerState) -> None:
         body = await parse(request, EmbeddingsBody)
         lease = await acquire(state, request, body.model, body.keep_alive)
         try:
-            vectors, _ = await embed_texts(lease, body.prompt, True)
+            vectors, _ = await embed_texts(lease, body.prompt, True, request, deadline(state))
         finally:
             lease.release()
         return JSONResponse({"embedding": [float(x) for x in vectors[0]]})
