@@ -48,7 +48,7 @@ def test_a_completion_prompt_too_long_to_fit_is_refused_before_tokenizing(tokeni
         _refused(c.post("/v1/completions", json={"prompt": BIG, "max_tokens": 1}), "prompt")
         assert max(tokenized, default=0) < N_CTX
         # One byte over what the context's tokens could hold still gets its tokens counted.
-        _refused(c.post("/v1/completions", json={"prompt": "x" * N_CTX}), "messages")
+        _refused(c.post("/v1/completions", json={"prompt": "x" * N_CTX}), "prompt")
         assert tokenized[-1] == N_CTX
 
 
