@@ -32,7 +32,7 @@ def _fresh(prompt: str, max_tokens: int = 8) -> str:
 
 
 def _best(idx: PrefixIndex, tokens: list[int]) -> tuple[object, int]:
-    m = next(idx.matches(tokens), None)
+    m = next(idx.matches(tokens, ""), None)
     return (None, 0) if m is None else (m.owner, m.length)
 
 
@@ -60,9 +60,9 @@ def test_index_lists_every_owner_of_a_prefix_longest_first():
     sibling = Parked(2, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     for owner in (short, long_, sibling):
         idx.add(owner)
-    found = [(m.owner, m.length) for m in idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
+    found = [(m.owner, m.length) for m in idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "")]
     assert found == [(long_, 9), (sibling, 8), (short, 4)]
-    assert [m.owner for m in idx.matches([1, 2, 3, 5])] == []
+    assert [m.owner for m in idx.matches([1, 2, 3, 5], "")] == []
 
 
 def test_identical_prompt_reuses_all_but_the_last_token():

@@ -198,7 +198,7 @@ def test_a_crash_mid_write_leaves_no_file_under_the_final_name(tmp_path: Path) -
     os.fsync = crashing_fsync  # type: ignore[assignment]
     try:
         with pytest.raises(Crash):
-            tier_files.write_entry(tmp_path / "k.kv", FP, [1, 2, 3], bytearray(b"state"))
+            tier_files.write_entry(tmp_path / "k.kv", FP, [1, 2, 3], "", bytearray(b"state"))
     finally:
         os.fsync = real
     assert list(tmp_path.iterdir()) == []
@@ -267,7 +267,7 @@ def test_recurrent_models_restore_only_a_whole_saved_state() -> None:
 
 def test_costs_restore_only_when_measured_faster_than_prefill() -> None:
     costs = Costs()
-    entry = Saved("k", list(range(1000)), state_bytes=10_000_000, data=bytearray(1))
+    entry = Saved("k", list(range(1000)), 10_000_000, "", data=bytearray(1))
     assert costs.worth(entry, 1000)  # nothing measured yet: try it
     costs.prefilled(1000, 1.0)  # 1,000 tokens/s
     costs.restored(Tier.RAM, 10_000_000, 0.01)  # 1 GB/s
@@ -281,7 +281,7 @@ def test_costs_restore_only_when_measured_faster_than_prefill() -> None:
 def test_the_index_holds_exactly_the_entries_in_a_tier(tmp_path: Path) -> None:
     index = PrefixIndex(4)
     store = SavedStates(TierConfig(100, 10_000, tmp_path, FP, io_thread=False), index)
-    kept = [store.save(list(range(i, i + 20)), bytearray(40)) for i in range(5)]
+    kept = [store.save(list(range(i, i + 20)), "", bytearray(40)) for i in range(5)]
     assert len(index) == len(store) == 5  # RAM holds 2, the disk all 5
     assert sum(e.data is not None for e in kept) == 2
     store.close()
