@@ -11,6 +11,9 @@ whole, before it); at the end every request has ended and only parked sequences 
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
 stale, shared-wrong or lost KV (prefix reuse, takeover, preemption, cleared ids) shows up here.
+Each request belongs to a random cache scope of a few (a key, a salt, the shared ""): it may
+report cached tokens only when another request of its own scope began with the same full
+block, since the prompts repeat across scopes, a reuse across them would show at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -36,6 +40,7 @@ from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, mo
 
 ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
 KINDS = ["fresh", "same", "extend", "branch", "turn"]
+SCOPES = ["", "key:a", "salt:b"]  # cache scopes: no KV may be reused from another one
 
 
 class _PumpedAsyncEngine(AsyncEngine):
@@ -72,6 +77,7 @@ class _Client:
     max_tokens: int
     stream: RequestStream
     whole: bool = False  # answered whole: one output, the finished one
+    scope: str = ""
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hung_up: bool = False
@@ -175,8 +181,14 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(data=st.data(), n=st.integers(1, 3), max_tokens=st.integers(1, 48), whole=st.booleans())
-    def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool) -> None:
+    @rule(
+        data=st.data(),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 48),
+        whole=st.booleans(),
+        scope=st.sampled_from(SCOPES),
+    )
+    def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool, scope: str) -> None:
         prompt = self._draw_prompt(data)
         try:
             self.front.check_capacity(n)
@@ -187,9 +199,9 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            params = sampling(max_tokens=max_tokens)
+            params = sampling(max_tokens=max_tokens, cache_scope=scope)
             stream = self.front.submit(rid, prompt, params, True, whole)
-            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole)
+            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope)
         self.histories.append(prompt)
 
     @precondition(lambda self: self._waiting_ids())
@@ -246,6 +258,23 @@ class EngineMachine(RuleBasedStateMachine):
         for rid, outs in self.outputs.items():
             finished = [i for i, o in enumerate(outs) if o.finished]
             assert finished in ([], [len(outs) - 1]), f"{rid}: finishes at {finished}"
+
+    @invariant()
+    def kv_is_reused_only_within_a_scope(self) -> None:
+        """A reuse needs an owner whose first full block is the request's own (the index
+        chains blocks from the first): another request of the same scope, prompt and tokens."""
+        bs = self.engine.kv_manager.blocks.block_size
+        firsts: Counter[tuple[str, tuple[int, ...]]] = Counter()
+        reused = []
+        for rid, c in self.clients.items():
+            outs = self.outputs.get(rid, [])
+            tokens = c.prompt + [t for o in outs for t in o.token_ids]
+            if len(tokens) >= bs:
+                firsts[c.scope, tuple(tokens[:bs])] += 1
+            if any(o.cached_tokens for o in outs):
+                reused.append((rid, c.scope, tuple(tokens[:bs])))
+        for rid, scope, first in reused:
+            assert len(first) == bs and firsts[scope, first] >= 2, f"{rid} reused another scope"
 
     @invariant()
     def finished_output_is_what_the_prompt_alone_gives(self) -> None:
