@@ -241,6 +241,20 @@ def test_the_longer_match_guesses_whether_own_or_recent():
     assert spec.draft(Request("c", [8, 4, 5, 9, 8, 4, 5], sampling(max_tokens=50)), 8) == [9, 8]
 
 
+def test_only_recent_sequences_of_the_requests_own_scope_are_followed():
+    """Output would not change (guesses are verified), but a guess from another key's answer
+    being kept would make that answer faster to write: its text readable by timing."""
+    spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
+    done = Request("a", [1, 2, 3, 4, 5, 6, 7], sampling(max_tokens=50, cache_scope="key:a"))
+    spec.draft(done, 8)
+    spec.forget(done)
+    prompt = [4, 5, 8, 3, 4, 5]  # "3 4 5" was followed by "6 7" in a's tokens
+    other = Request("b", prompt, sampling(max_tokens=50, cache_scope="key:b"))
+    assert spec.draft(other, 8) == [8]  # its own tokens only: "4 5" was followed by 8
+    same = Request("c", prompt, sampling(max_tokens=50, cache_scope="key:a"))
+    assert spec.draft(same, 8) == [6, 7]
+
+
 def test_a_match_of_ngram_max_is_measured_back_so_a_regeneration_follows_its_answer():
     """A prompt that holds "1 2 3 4" twice, asked again: its own tokens match that 4-gram
     (ngram_max) at the prompt's start and no further back; the finished run of the same
