@@ -184,3 +184,37 @@ def test_a_call_runs_on_the_engine_thread_and_is_refused_once_stopped():
             await front.on_engine_thread(lambda: None)
 
     asyncio.run(scenario())
+
+
+class _PromptKeys:
+    """What `route_key` needs of a model's prompt keys: its name and the prompt's tokens."""
+
+    name = "m"
+
+    def __init__(self, tokens: list[int]):
+        self._tokens = tokens
+
+    def tokens(self, body: object) -> list[int]:
+        return self._tokens
+
+
+def test_route_keys_match_only_the_blocks_of_the_requests_own_scope():
+    """The ingress chains a prompt from its cache scope as the replica's index does: a key's
+    prompt is routed to the replica holding its own blocks, never to one holding only
+    another key's copy of them (the router would show where another key's prompt lives)."""
+    from ferrum.cluster.keys import route_key
+    from ferrum.engine.request import Request
+
+    prompt = byte_tokenize("a prompt long enough for several blocks")
+    engine = fake_engine(FakeRunner(), block_size=BS)
+    engine.add_request("r", prompt, sampling(max_tokens=2, cache_scope="key:a"), True)
+    while engine.has_work:
+        engine.step()
+    held = set(engine.resident_prefixes(1000).hashes)
+    own = route_key(_PromptKeys(prompt), None, BS, "key:a")  # type: ignore[arg-type]
+    other = route_key(_PromptKeys(prompt), None, BS, "key:b")  # type: ignore[arg-type]
+    assert own.hashes and set(own.hashes) <= held
+    assert other.hashes and not set(other.hashes) & held
+    index = PrefixIndex(BS)
+    index.add(Request("x", prompt, sampling(cache_scope="key:b")))
+    assert set(other.hashes) == set(index.resident_hashes(1000))
