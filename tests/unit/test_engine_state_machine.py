@@ -124,8 +124,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.clients: dict[str, _Client] = {}
         # Engine-side news per request, before AsyncEngine drops what hung-up clients miss.
         self.outputs: dict[str, list[RequestOutput]] = {}
-        self.histories: list[list[int]] = []  # every prompt so far
-        self.turns: list[list[int]] = []  # prompt + output of requests finished by length
+        self.histories: list[tuple[list[int], str]] = []  # every prompt so far, its scope
+        # Prompt + output of requests finished by length, and their scope.
+        self.turns: list[tuple[list[int], str]] = []
         self.ids = count()
         self.rejected = 0
 
@@ -146,15 +147,19 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- drawing ----------------------------------------------------------------------------
 
-    def _draw_prompt(self, data: st.DataObject) -> list[int]:
+    def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], str | None]:
+        """A prompt, and the scope of the earlier one it repeats, extends or branches off
+        (None: fresh)."""
         tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=30), label="tail")
         kind = data.draw(st.sampled_from(KINDS), label="kind")
+        like: str | None = None
         if kind == "turn" and self.turns:  # a chat's next turn, often still parked
-            prompt = data.draw(st.sampled_from(self.turns[-3:]), label="conversation") + tail
+            conversation, like = data.draw(st.sampled_from(self.turns[-3:]), label="conversation")
+            prompt = conversation + tail
         elif kind in ("fresh", "turn") or not self.histories:
             prompt = [self.bos, *tail]
         else:
-            earlier = data.draw(st.sampled_from(self.histories), label="earlier")
+            earlier, like = data.draw(st.sampled_from(self.histories), label="earlier")
             if kind == "same":
                 prompt = list(earlier)
             elif kind == "extend":
@@ -162,7 +167,7 @@ class EngineMachine(RuleBasedStateMachine):
             else:  # the same beginning, then something else
                 cut = data.draw(st.integers(1, len(earlier)), label="cut")
                 prompt = earlier[:cut] + tail
-        return prompt[: self.engine.max_positions * 3 // 4] or [self.bos]
+        return prompt[: self.engine.max_positions * 3 // 4] or [self.bos], like
 
     def _pick(self, data: st.DataObject, ids: list[str]) -> _Client:
         return self.clients[data.draw(st.sampled_from(sorted(ids)), label="request")]
@@ -189,7 +194,9 @@ class EngineMachine(RuleBasedStateMachine):
         scope=st.sampled_from(SCOPES),
     )
     def submit(self, data: st.DataObject, n: int, max_tokens: int, whole: bool, scope: str) -> None:
-        prompt = self._draw_prompt(data)
+        prompt, like = self._draw_prompt(data)
+        if like is not None and data.draw(st.booleans(), label="in the earlier one's scope"):
+            scope = like  # most reuse is within a scope: keep those paths busy
         try:
             self.front.check_capacity(n)
         except TooManyRequests:
@@ -202,7 +209,7 @@ class EngineMachine(RuleBasedStateMachine):
             params = sampling(max_tokens=max_tokens, cache_scope=scope)
             stream = self.front.submit(rid, prompt, params, True, whole)
             self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope)
-        self.histories.append(prompt)
+        self.histories.append((prompt, scope))
 
     @precondition(lambda self: self._waiting_ids())
     @rule(data=st.data())
@@ -243,7 +250,8 @@ class EngineMachine(RuleBasedStateMachine):
             outs.append(out)
             if out.finish_reason == "length":
                 tokens = [t for o in outs for t in o.token_ids]
-                self.turns.append(self.clients[out.request_id].prompt + tokens)
+                client = self.clients[out.request_id]
+                self.turns.append((client.prompt + tokens, client.scope))
         for client in self.clients.values():
             client.read()
 
