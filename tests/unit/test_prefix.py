@@ -256,3 +256,21 @@ def test_the_index_hides_other_scopes_inside_the_first_block_too():
 def _best_in(idx: PrefixIndex, tokens: list[int], scope: str) -> tuple[object, int]:
     m = next(idx.matches(tokens, scope), None)
     return (None, 0) if m is None else (m.owner, m.length)
+
+
+def test_the_ledger_check_refuses_a_block_shared_across_scopes():
+    """`check_integrity` proves the rule on the ledger: were a block ever shared outside the
+    scoped index, the next idle check says so."""
+    import pytest
+
+    from ferrum.engine.kv import IntegrityError
+
+    engine = fake_engine()
+    _scoped(engine, {"a": ("key:a", SYSTEM)})
+    kv = engine.kv_manager
+    (parked,) = kv.parked
+    seq = kv.seq_ids.acquire()
+    table = kv.blocks.fork(parked.page_table, len(parked.all_token_ids))
+    kv.parked.add(Parked(seq, list(parked.all_token_ids), table, "key:b"))
+    with pytest.raises(IntegrityError, match="shared across cache scopes"):
+        engine.check_integrity()
