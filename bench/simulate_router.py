@@ -123,7 +123,7 @@ def simulate(policy: str, args: argparse.Namespace) -> dict[str, float]:
                 summary_bytes = max(summary_bytes, 8 * len(held))
             next_summary = now + args.period
         tokens = _tokens(conv, turn, system)
-        hashes = list(block_hashes(tokens, BLOCK))
+        hashes = list(block_hashes(tokens, BLOCK, ""))
         candidates = [Candidate(r.name, r.in_flight(now)) for r in replicas]
         t0 = time.perf_counter()
         if policy == "prefix":

@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ferrum.api.anthropic.errors import error_body as anthropic_error_body
 from ferrum.api.anthropic.errors import speaks_anthropic
 from ferrum.api.app import MAX_BODY_BYTES, check_gate, error_response
-from ferrum.api.auth import Keys, caller_of
+from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
 from ferrum.cluster.keys import (
@@ -131,7 +131,7 @@ class Relay:
             body = await read_body(request, MAX_BODY_BYTES)  # a chunked body too
         except FerrumError as exc:
             return _error(path, exc)
-        key = await self._key(path, body)
+        key = await self._key(path, body, caller_of(request))
         relayed = Relayed(
             request.method, path, request.url.query.encode(), list(request.headers.raw), body
         )
@@ -161,7 +161,7 @@ class Relay:
             return response
         return _error(path, ServiceUnavailable("no replica could answer; retry shortly"))
 
-    async def _key(self, path: str, body: bytes) -> RouteKey:
+    async def _key(self, path: str, body: bytes, caller: Caller) -> RouteKey:
         pin = self._pin_for(path, body)
         if pin:
             return RouteKey(pin=pin)
@@ -177,7 +177,10 @@ class Relay:
             return RouteKey(model)
         try:
             block_size = self.settings.engine.block_size
-            return await asyncio.to_thread(route_key, lease.model, openai_body, block_size)
+            # The scope the replica will give it (serving.submit): its blocks are chained so.
+            shared = self.settings.server.share_prefix_cache
+            scope = cache_scope(caller, openai_body.cache_salt, shared)
+            return await asyncio.to_thread(route_key, lease.model, openai_body, block_size, scope)
         finally:
             lease.release()
 

@@ -5,6 +5,9 @@ generate, Anthropic's messages, the Responses API's first turns) the body is tra
 the OpenAI body the replica will serve, and its prompt tokens are computed as a replica
 computes them (`serving.chat_prompt`, the model's template, its vocabulary loaded alone):
 their chained block hashes are the key the prefix router matches against what replicas hold.
+The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
+caller the gate found, the body's `cache_salt` and `--share-prefix-cache`), as a replica's
+prefix index chains it: a prompt only matches blocks its own scope left.
 A body that does not parse gets no hashes (the replica it lands on answers the error).
 
 Each model's vocabulary is loaded on first use and unloaded when idle by a `Registry`, as a
@@ -121,14 +124,14 @@ def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
         return None
 
 
-def route_key(keys: PromptKeys, body: Body, block_size: int) -> RouteKey:
-    """The prefix router's key of a parsed body: its prompt's block hashes (call it in a
-    worker thread: rendering and tokenizing take CPU time)."""
+def route_key(keys: PromptKeys, body: Body, block_size: int, scope: str) -> RouteKey:
+    """The prefix router's key of a parsed body: its prompt's block hashes in the request's
+    cache `scope` (call it in a worker thread: rendering and tokenizing take CPU time)."""
     try:
         tokens = keys.tokens(body)
     except Exception:  # noqa: BLE001 - a template that refuses the chat: the replica says so
         return RouteKey(keys.name)
-    return RouteKey(keys.name, tuple(block_hashes(tokens, block_size)))
+    return RouteKey(keys.name, tuple(block_hashes(tokens, block_size, scope)))
 
 
 def key_registry(

@@ -22,6 +22,10 @@ holds [max(0, L - n_swa + 1), L) (`KvOps.holds_window`), and checked again on th
     donor's window cache   0 ··· [recycled] ··· L-n_swa+1 ············ L ····· newest
     copy of [0, L) needs                        |<-- every position -->|
 
+Every reuse (copy, takeover, waiting for a donor, restore) starts from the prefix index,
+which only finds owners of the request's own cache scope: requests of different scopes never
+share a block, which `check_integrity` proves on the ledger.
+
 A donor that is still prefilling the shared prefix makes the newcomer wait (`plan` returns
 None) instead of computing the prefix twice. Reuse always leaves at least the last prompt
 token to compute, since logits exist only for tokens in a batch.
@@ -115,7 +119,9 @@ class KVManager:
         refused = 0
         saved: Reuse | None = None
         resident: Reuse | None = None
-        for match in self.index.matches(req.all_token_ids):
+        # Scoped: owners of another cache scope never come up (prefix.py), for every reuse
+        # below (copy, takeover, waiting for a donor, restore).
+        for match in self.index.matches(req.all_token_ids, req.cache_scope):
             length = min(match.length, req.num_tokens - 1)
             donor = match.owner
             if length <= 0:
@@ -324,7 +330,7 @@ class KVManager:
         keep = blocks_for(resident, self.blocks.block_size)
         self.blocks.free(table.blocks[keep:])  # room reserved for positions never computed
         del table.blocks[keep:]
-        parked = Parked(seq_id, req.all_token_ids[:resident], table)
+        parked = Parked(seq_id, req.all_token_ids[:resident], table, req.cache_scope)
         req.page_table = type(table)()
         self.parked.add(parked)
         self.index.add(parked)
@@ -389,11 +395,12 @@ class KVManager:
         """Keeps parked's state in the tiers, unless a saved state already holds its tokens
         (or more, where a prefix may be restored); saved states it extends are dropped."""
         saved = self.saved
-        if saved is None or saved.get(parked.all_token_ids) is not None:
+        scope = parked.cache_scope
+        if saved is None or saved.get(parked.all_token_ids, scope) is not None:
             return
         tokens = parked.all_token_ids
         shorter = []
-        for match in self.index.matches(tokens):
+        for match in self.index.matches(tokens, scope):
             owner = match.owner
             if isinstance(owner, Saved) and match.length == len(tokens) and self.any_prefix:
                 saved.touch(owner)
@@ -403,7 +410,7 @@ class KVManager:
         state = self.ops.save_sequence(parked.seq_id)
         if state is None:
             return
-        saved.save(tokens, state)
+        saved.save(tokens, scope, state)
         if self.any_prefix:
             for owner in shorter:
                 saved.drop(owner)
@@ -419,6 +426,16 @@ class KVManager:
         if len(owned) != len(running):
             raise IntegrityError("a running request holds no sequence id")
         self.seq_ids.check_integrity(owned + [p.seq_id for p in parked])
+        _one_scope_per_block([*running, *parked])
         saved = len(self.saved) if self.saved is not None else 0
         if self.prefix_cache and len(self.index) != len(running) + len(parked) + saved:
             raise IntegrityError("prefix index out of step with running, parked and saved")
+
+
+def _one_scope_per_block(owners: list[Request | Parked]) -> None:
+    """A block shared in the ledger was shared through the index: never across scopes."""
+    scopes: dict[int, str] = {}
+    for owner in owners:
+        for block in owner.page_table.blocks:
+            if scopes.setdefault(block, owner.cache_scope) != owner.cache_scope:
+                raise IntegrityError(f"block {block} is shared across cache scopes")

@@ -118,17 +118,21 @@ class RecentSequences:
     """The n-grams of the model's latest finished requests (prompt and output), for a request
     whose own tokens match less: a regenerated answer, an agent's retry, the same document
     asked about again repeat an earlier sequence. Each keeps the tables its drafter built
-    while it ran; the oldest go first past `max_sequences` or `max_tokens` in all."""
+    while it ran; the oldest go first past `max_sequences` or `max_tokens` in all.
+
+    A request follows only sequences of its own cache scope: its output would not change
+    (every guess is verified) but its speed would, a guess from another key's answer being
+    kept faster than one computed, which would let that key's text be read back by timing."""
 
     def __init__(self, max_sequences: int = 8, max_tokens: int = 16_384):
         self._max_sequences, self._max_tokens = max_sequences, max_tokens
-        self._sequences: deque[tuple[tuple[int, ...], NgramDrafter]] = deque()
+        self._sequences: deque[tuple[tuple[int, ...], NgramDrafter, str]] = deque()
         self._tokens = 0
 
-    def add(self, tokens: Sequence[int], drafter: NgramDrafter) -> None:
+    def add(self, tokens: Sequence[int], drafter: NgramDrafter, scope: str) -> None:
         if len(tokens) > self._max_tokens or self._max_sequences == 0:
             return
-        self._sequences.append((tuple(tokens), drafter))
+        self._sequences.append((tuple(tokens), drafter, scope))
         self._tokens += len(tokens)
         while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
             self._tokens -= len(self._sequences.popleft()[0])
@@ -137,19 +141,22 @@ class RecentSequences:
         self,
         tokens: Sequence[int],
         k: int,
+        scope: str,
         suffixes: Suffixes | None = None,
         shortest: int | None = None,
         above: int = 0,
     ) -> Match:
-        """The continuation of the longest suffix match in any of them (the newest on a tie),
-        if longer than `above`. `suffixes`: those of `tokens`, when the caller already has
-        them; `shortest`: see `NgramDrafter.follow`."""
+        """The continuation of the longest suffix match in any of them of `scope` (the newest
+        on a tie), if longer than `above`. `suffixes`: those of `tokens`, when the caller
+        already has them; `shortest`: see `NgramDrafter.follow`."""
         if not self._sequences:
             return _NO_MATCH
         if suffixes is None:  # every drafter here looks up the same sizes
             suffixes = self._sequences[0][1].suffixes(tokens)
         best = _NO_MATCH
-        for source, drafter in reversed(self._sequences):
+        for source, drafter, owner in reversed(self._sequences):
+            if owner != scope:
+                continue
             found = drafter.follow(suffixes, source, tokens, k, shortest, max(above, best[0]))
             if found[0] > best[0] and found[1]:
                 best = found

@@ -13,10 +13,20 @@ owner's real tokens (a hash collision can never produce a wrong reuse):
     prompt:   [ b0 ][ b1 ][ b2 ][ b3 ][ b4 ...
     owner:    [ b0 ][ b1 ][ b2 ][ b3'...          chain hash of b0..b2 found, b3 differs
     match:    |<------ 3 blocks ---->|+k tokens   k < block_size, compared one by one
+
+Rule: owners of different cache scopes (`SamplingParams.cache_scope`: an API key's tenant, a
+`cache_salt`, or "" shared by all) never share a block through the index. The scope is decided
+in one place, the chain's seed (`scope_seed`): every chain starts from its owner's seed, so a
+prompt's walk only meets its own scope's blocks, and the token-by-token extension happens only
+behind an owner found that way. Without it another key could learn a prompt token by token
+from `cached_tokens` or from timing. The empty scope seeds 0: a single-tenant server's chains
+are what they always were.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -34,13 +44,18 @@ class Parked:
     seq_id: int
     all_token_ids: list[int]
     page_table: PageTable = field(default_factory=PageTable)
+    cache_scope: str = ""  # the finished request's: who may reuse it
 
 
 class Owner(Protocol):
-    """Anything whose first positions hold KV (or saved state) for `all_token_ids`."""
+    """Anything whose first positions hold KV (or saved state) for `all_token_ids`, reusable
+    only by prompts of its `cache_scope`."""
 
     @property
     def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def cache_scope(self) -> str: ...
 
 
 def _rank(owner: Owner) -> int:
@@ -84,7 +99,7 @@ class PrefixIndex:
         """Indexes the owner's blocks completed since the last call."""
         chain = self._chains[id(owner)]
         tokens, bs = owner.all_token_ids, self.block_size
-        h = chain[-1] if chain else 0
+        h = chain[-1] if chain else scope_seed(owner.cache_scope)
         for i in range(len(chain), len(tokens) // bs):
             h = _chain(h, tokens[i * bs : (i + 1) * bs])
             chain.append(h)
@@ -119,9 +134,10 @@ class PrefixIndex:
             depth += 1
         return out
 
-    def matches(self, tokens: list[int]) -> Iterator[Match]:
-        """Every owner sharing at least one full block with `tokens`, longest match first
-        (parked, then running, then saved on a tie).
+    def matches(self, tokens: list[int], scope: str) -> Iterator[Match]:
+        """Every owner of `scope` sharing at least one full block with `tokens`, longest match
+        first (parked, then running, then saved on a tie). Owners of other scopes are never
+        found: their chains start from another seed.
 
         Lazy: the planner usually takes the first; it reads further only when a donor cannot
         serve its match (a sliding window that lost cells), so a shallower owner (a shared
@@ -129,7 +145,7 @@ class PrefixIndex:
         """
         bs = self.block_size
         levels: list[dict[int, Owner]] = []
-        for h in block_hashes(tokens, bs):
+        for h in block_hashes(tokens, bs, scope):
             owners = self._owners_by_hash.get(h)
             if not owners:
                 break
@@ -143,8 +159,8 @@ class PrefixIndex:
                     continue
                 seen.add(key)
                 own = owner.all_token_ids
-                if own[:full] != tokens[:full]:
-                    continue  # hash collision
+                if own[:full] != tokens[:full] or owner.cache_scope != scope:
+                    continue  # hash collision (within a scope or, seeds apart, across)
                 found.append(Match(owner, full + _common_prefix(own, tokens, full)))
             found.sort(key=lambda m: (-m.length, _rank(m.owner)))
             yield from found
@@ -156,9 +172,20 @@ def _chain(previous: int, block: list[int]) -> int:
     return hash((previous, tuple(block)))
 
 
-def block_hashes(tokens: list[int], block_size: int) -> Iterator[int]:
-    """The chained hash of each full block of `tokens`, as the index keys them (lazily)."""
-    h = 0
+@functools.lru_cache(maxsize=4096)
+def scope_seed(scope: str) -> int:
+    """Where a cache scope's chains start: 0 for "", else 64 bits of its sha256 (a str's own
+    hash is salted per process, and a cluster's router must compute the same chain)."""
+    if not scope:
+        return 0
+    digest = hashlib.sha256(scope.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def block_hashes(tokens: list[int], block_size: int, scope: str) -> Iterator[int]:
+    """The chained hash of each full block of `tokens` in `scope`, as the index keys them
+    (lazily)."""
+    h = scope_seed(scope)
     for i in range(len(tokens) // block_size):
         h = _chain(h, tokens[i * block_size : (i + 1) * block_size])
         yield h

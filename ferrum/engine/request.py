@@ -95,6 +95,11 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
 
     @property
+    def cache_scope(self) -> str:
+        """Whose cached prefixes the request may reuse (its owner scope in the prefix index)."""
+        return self.params.cache_scope
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -18,10 +18,11 @@ The drafter (`NgramDrafter`) looks for the longest recent earlier occurrence (n 
 `ngram_max` down to `ngram_min`, down to one token once decode costs are timed) of the
 sequence's last n tokens and proposes what followed it, as many tokens as the match is
 longer than the shortest looked up (plus one). The same lookup runs over the model's latest
-finished requests (`RecentSequences`: a regeneration or a retry repeats an earlier answer),
-and the longer of the two matches gives the guess; a match of `ngram_max` tokens is measured
-further back, so an answer regenerated from the same prompt follows its earlier run, not a
-few lines of its own prompt. Lengths adapt per request (`DraftState`): a draft starts at 2
+finished requests of its own cache scope (`RecentSequences`: a regeneration or a retry
+repeats an earlier answer; another key's answer would be read back by timing), and the longer
+of the two matches gives the guess; a match of `ngram_max` tokens is measured further back,
+so an answer regenerated from the same prompt follows its earlier run, not a few lines of its
+own prompt. Lengths adapt per request (`DraftState`): a draft starts at 2
 tokens, doubles after a full acceptance, shrinks to what was accepted plus one otherwise,
 and a request whose drafts keep failing follows only matches longer than `ngram_min` for a
 while. A guess must also pay for its position: the length of the match it follows says how
@@ -274,7 +275,7 @@ class Speculator:
         # where its earlier answer, which it is repeating, matches longer.
         suffixes = drafter.suffixes(tokens)  # one set of keys for every table looked up
         own = drafter.propose_matched(tokens, k, suffixes, shortest)
-        other = self.recent.propose(tokens, k, suffixes, shortest, above=own[0])
+        other = self.recent.propose(tokens, k, req.cache_scope, suffixes, shortest, own[0])
         match, guess = other if other[0] > own[0] else own
         return Proposal(guess, self.rates.runs(match, len(guess), state.odds()), match, probe)
 
@@ -292,4 +293,4 @@ class Speculator:
         state = self._states.pop(req.request_id, None)
         if state is not None and isinstance(state.drafter, NgramDrafter):
             state.drafter.index_all(req.all_token_ids)
-            self.recent.add(req.all_token_ids, state.drafter)
+            self.recent.add(req.all_token_ids, state.drafter, req.cache_scope)

@@ -28,7 +28,7 @@ BS = 4
 
 
 def key(tokens: list[int], model: str = "m") -> RouteKey:
-    return RouteKey(model, tuple(block_hashes(tokens, BS)))
+    return RouteKey(model, tuple(block_hashes(tokens, BS, "")))
 
 
 def loads(**in_flight: int) -> list[Candidate]:
@@ -44,7 +44,7 @@ def test_the_index_reports_the_hashes_the_ingress_computes():
     index = PrefixIndex(BS)
     tokens = list(range(1, 23))  # 5 full blocks and 2 tokens
     index.add(Parked(1, tokens))
-    assert index.resident_hashes(100) == list(block_hashes(tokens, BS))
+    assert index.resident_hashes(100) == list(block_hashes(tokens, BS, ""))
     assert len(index.resident_hashes(100)) == 5
 
 
@@ -54,8 +54,9 @@ def test_a_bounded_summary_keeps_the_shallow_blocks_of_every_owner():
     index.add(Parked(1, a))
     index.add(Parked(2, b))
     held = index.resident_hashes(6)
-    assert held[:2] == [next(block_hashes(a, BS)), next(block_hashes(b, BS))]
-    assert set(held) == set(list(block_hashes(a, BS))[:3] + list(block_hashes(b, BS))[:3])
+    assert held[:2] == [next(block_hashes(a, BS, "")), next(block_hashes(b, BS, ""))]
+    first_three = list(block_hashes(a, BS, ""))[:3] + list(block_hashes(b, BS, ""))[:3]
+    assert set(held) == set(first_three)
 
 
 def test_shared_blocks_are_reported_once():
@@ -70,8 +71,8 @@ def test_shared_blocks_are_reported_once():
 def test_the_longest_holder_wins():
     policy = PrefixAffinity(rng=random.Random(0))
     system, chat = list(range(16)), list(range(100, 116))
-    policy.observe("a", {"m": frozenset(block_hashes(system, BS))})
-    policy.observe("b", {"m": frozenset(block_hashes(system + chat, BS))})
+    policy.observe("a", {"m": frozenset(block_hashes(system, BS, ""))})
+    policy.observe("b", {"m": frozenset(block_hashes(system + chat, BS, ""))})
     ranks = policy.choose(key(system + chat + [7] * 8), loads(a=0, b=2))
     assert ranks[0] == ["b"]
     assert policy.choose(key(system + [9] * 16), loads(a=0, b=2))[0] == ["a"]  # a: less loaded
@@ -80,7 +81,7 @@ def test_the_longest_holder_wins():
 def test_an_overloaded_holder_is_passed_over():
     policy = PrefixAffinity(imbalance=4, rng=random.Random(0))
     tokens = list(range(32))
-    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS))})
+    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS, ""))})
     assert policy.choose(key(tokens), loads(a=3, b=0))[0] == ["a"]
     ranks = policy.choose(key(tokens), loads(a=4, b=0))
     assert ranks == [["b", "a"]]  # power of two: the less loaded first
@@ -89,7 +90,7 @@ def test_an_overloaded_holder_is_passed_over():
 def test_other_models_blocks_do_not_count():
     policy = PrefixAffinity(rng=random.Random(0))
     tokens = list(range(32))
-    policy.observe("a", {"other": frozenset(block_hashes(tokens, BS))})
+    policy.observe("a", {"other": frozenset(block_hashes(tokens, BS, ""))})
     assert policy.matched_blocks("a", key(tokens), now=0.0) == 0
 
 
@@ -100,14 +101,14 @@ def test_what_the_router_sent_counts_until_summaries_catch_up():
     turn2 = key(turn1 + list(range(500, 520)))
     assert policy.choose(turn2, loads(a=0, b=1), now=105.0)[0] == ["b"]
     assert policy.matched_blocks("b", turn2, now=111.0) == 0  # expired
-    policy.observe("b", {"m": frozenset(block_hashes(turn1, BS))})
+    policy.observe("b", {"m": frozenset(block_hashes(turn1, BS, ""))})
     assert policy.matched_blocks("b", turn2, now=111.0) == 10
 
 
 def test_a_forgotten_replica_holds_nothing():
     policy = PrefixAffinity(rng=random.Random(0))
     tokens = list(range(32))
-    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS))})
+    policy.observe("a", {"m": frozenset(block_hashes(tokens, BS, ""))})
     policy.routed("a", key(tokens), now=0.0)
     policy.forget("a")
     assert policy.matched_blocks("a", key(tokens), now=0.0) == 0
@@ -165,7 +166,7 @@ def test_the_engine_reports_what_it_holds():
         engine.step()
     held = engine.resident_prefixes(1000)
     assert held.block_size == BS
-    assert set(block_hashes(prompt, BS)) <= set(held.hashes)
+    assert set(block_hashes(prompt, BS, "")) <= set(held.hashes)
     assert fake_engine(FakeRunner(), prefix_cache=False).resident_prefixes(10).hashes == ()
 
 
@@ -183,3 +184,37 @@ def test_a_call_runs_on_the_engine_thread_and_is_refused_once_stopped():
             await front.on_engine_thread(lambda: None)
 
     asyncio.run(scenario())
+
+
+class _PromptKeys:
+    """What `route_key` needs of a model's prompt keys: its name and the prompt's tokens."""
+
+    name = "m"
+
+    def __init__(self, tokens: list[int]):
+        self._tokens = tokens
+
+    def tokens(self, body: object) -> list[int]:
+        return self._tokens
+
+
+def test_route_keys_match_only_the_blocks_of_the_requests_own_scope():
+    """The ingress chains a prompt from its cache scope as the replica's index does: a key's
+    prompt is routed to the replica holding its own blocks, never to one holding only
+    another key's copy of them (the router would show where another key's prompt lives)."""
+    from ferrum.cluster.keys import route_key
+    from ferrum.engine.request import Request
+
+    prompt = byte_tokenize("a prompt long enough for several blocks")
+    engine = fake_engine(FakeRunner(), block_size=BS)
+    engine.add_request("r", prompt, sampling(max_tokens=2, cache_scope="key:a"), True)
+    while engine.has_work:
+        engine.step()
+    held = set(engine.resident_prefixes(1000).hashes)
+    own = route_key(_PromptKeys(prompt), None, BS, "key:a")  # type: ignore[arg-type]
+    other = route_key(_PromptKeys(prompt), None, BS, "key:b")  # type: ignore[arg-type]
+    assert own.hashes and set(own.hashes) <= held
+    assert other.hashes and not set(other.hashes) & held
+    index = PrefixIndex(BS)
+    index.add(Request("x", prompt, sampling(cache_scope="key:b")))
+    assert set(other.hashes) == set(index.resident_hashes(1000))

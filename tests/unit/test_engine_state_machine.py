@@ -13,6 +13,9 @@ parked sequences hold KV.
 Oracle: the fake model's next token is a function of everything resident in the sequence, so
 a request that ends by length must have exactly the tokens its prompt alone would produce;
 stale, shared-wrong or lost KV (prefix reuse, takeover, preemption, cleared ids) shows up here.
+Each request belongs to a random cache scope of a few (a key, a salt, the shared ""): it may
+report cached tokens only when another request of its own scope began with the same full
+block, since the prompts repeat across scopes, a reuse across them would show at once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -40,6 +44,7 @@ ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share pr
 KINDS = ["fresh", "same", "extend", "branch", "turn"]
 # Few tenants for 3 slots: fair admission and preemption for fairness happen all the time.
 TENANTS = ["x", "y", "z"]
+SCOPES = ["", "key:a", "salt:b"]  # cache scopes: no KV may be reused from another one
 
 
 class _PumpedAsyncEngine(AsyncEngine):
@@ -76,6 +81,7 @@ class _Client:
     max_tokens: int
     stream: RequestStream
     whole: bool = False  # answered whole: one output, the finished one
+    scope: str = ""
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hung_up: bool = False
@@ -122,8 +128,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.clients: dict[str, _Client] = {}
         # Engine-side news per request, before AsyncEngine drops what hung-up clients miss.
         self.outputs: dict[str, list[RequestOutput]] = {}
-        self.histories: list[list[int]] = []  # every prompt so far
-        self.turns: list[list[int]] = []  # prompt + output of requests finished by length
+        self.histories: list[tuple[list[int], str]] = []  # every prompt so far, its scope
+        # Prompt + output of requests finished by length, and their scope.
+        self.turns: list[tuple[list[int], str]] = []
         self.ids = count()
         self.rejected = 0
 
@@ -144,15 +151,19 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- drawing ----------------------------------------------------------------------------
 
-    def _draw_prompt(self, data: st.DataObject) -> list[int]:
+    def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], str | None]:
+        """A prompt, and the scope of the earlier one it repeats, extends or branches off
+        (None: fresh)."""
         tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=30), label="tail")
         kind = data.draw(st.sampled_from(KINDS), label="kind")
+        like: str | None = None
         if kind == "turn" and self.turns:  # a chat's next turn, often still parked
-            prompt = data.draw(st.sampled_from(self.turns[-3:]), label="conversation") + tail
+            conversation, like = data.draw(st.sampled_from(self.turns[-3:]), label="conversation")
+            prompt = conversation + tail
         elif kind in ("fresh", "turn") or not self.histories:
             prompt = [self.bos, *tail]
         else:
-            earlier = data.draw(st.sampled_from(self.histories), label="earlier")
+            earlier, like = data.draw(st.sampled_from(self.histories), label="earlier")
             if kind == "same":
                 prompt = list(earlier)
             elif kind == "extend":
@@ -160,7 +171,7 @@ class EngineMachine(RuleBasedStateMachine):
             else:  # the same beginning, then something else
                 cut = data.draw(st.integers(1, len(earlier)), label="cut")
                 prompt = earlier[:cut] + tail
-        return prompt[: self.engine.max_positions * 3 // 4] or [self.bos]
+        return prompt[: self.engine.max_positions * 3 // 4] or [self.bos], like
 
     def _pick(self, data: st.DataObject, ids: list[str]) -> _Client:
         return self.clients[data.draw(st.sampled_from(sorted(ids)), label="request")]
@@ -185,11 +196,14 @@ class EngineMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 48),
         whole=st.booleans(),
         tenant=st.sampled_from(TENANTS),
+        scope=st.sampled_from(SCOPES),
     )
     def submit(
-        self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str
+        self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str, scope: str
     ) -> None:
-        prompt = self._draw_prompt(data)
+        prompt, like = self._draw_prompt(data)
+        if like is not None and data.draw(st.booleans(), label="in the earlier one's scope"):
+            scope = like  # most reuse is within a scope: keep those paths busy
         try:
             self.front.check_capacity(n)
         except TooManyRequests:
@@ -199,10 +213,11 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            params = sampling(max_tokens=max_tokens, tenant=tenant)  # n choices: one tenant
+            # n choices: one prompt of one tenant, in one cache scope
+            params = sampling(max_tokens=max_tokens, tenant=tenant, cache_scope=scope)
             stream = self.front.submit(rid, prompt, params, True, whole)
-            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole)
-        self.histories.append(prompt)
+            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope)
+        self.histories.append((prompt, scope))
 
     @precondition(lambda self: self._waiting_ids())
     @rule(data=st.data())
@@ -243,7 +258,8 @@ class EngineMachine(RuleBasedStateMachine):
             outs.append(out)
             if out.finish_reason == "length":
                 tokens = [t for o in outs for t in o.token_ids]
-                self.turns.append(self.clients[out.request_id].prompt + tokens)
+                client = self.clients[out.request_id]
+                self.turns.append((client.prompt + tokens, client.scope))
         for client in self.clients.values():
             client.read()
 
@@ -258,6 +274,23 @@ class EngineMachine(RuleBasedStateMachine):
         for rid, outs in self.outputs.items():
             finished = [i for i, o in enumerate(outs) if o.finished]
             assert finished in ([], [len(outs) - 1]), f"{rid}: finishes at {finished}"
+
+    @invariant()
+    def kv_is_reused_only_within_a_scope(self) -> None:
+        """A reuse needs an owner whose first full block is the request's own (the index
+        chains blocks from the first): another request of the same scope, prompt and tokens."""
+        bs = self.engine.kv_manager.blocks.block_size
+        firsts: Counter[tuple[str, tuple[int, ...]]] = Counter()
+        reused = []
+        for rid, c in self.clients.items():
+            outs = self.outputs.get(rid, [])
+            tokens = c.prompt + [t for o in outs for t in o.token_ids]
+            if len(tokens) >= bs:
+                firsts[c.scope, tuple(tokens[:bs])] += 1
+            if any(o.cached_tokens for o in outs):
+                reused.append((rid, c.scope, tuple(tokens[:bs])))
+        for rid, scope, first in reused:
+            assert len(first) == bs and firsts[scope, first] >= 2, f"{rid} reused another scope"
 
     @invariant()
     def finished_output_is_what_the_prompt_alone_gives(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrum.engine.prefix import Parked, PrefixIndex
+from ferrum.engine.prefix import Parked, PrefixIndex, block_hashes
 from tests.factories import (
     FakeRunner,
     byte_tokenize,
@@ -32,7 +32,7 @@ def _fresh(prompt: str, max_tokens: int = 8) -> str:
 
 
 def _best(idx: PrefixIndex, tokens: list[int]) -> tuple[object, int]:
-    m = next(idx.matches(tokens), None)
+    m = next(idx.matches(tokens, ""), None)
     return (None, 0) if m is None else (m.owner, m.length)
 
 
@@ -60,9 +60,9 @@ def test_index_lists_every_owner_of_a_prefix_longest_first():
     sibling = Parked(2, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     for owner in (short, long_, sibling):
         idx.add(owner)
-    found = [(m.owner, m.length) for m in idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
+    found = [(m.owner, m.length) for m in idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "")]
     assert found == [(long_, 9), (sibling, 8), (short, 4)]
-    assert [m.owner for m in idx.matches([1, 2, 3, 5])] == []
+    assert [m.owner for m in idx.matches([1, 2, 3, 5], "")] == []
 
 
 def test_identical_prompt_reuses_all_but_the_last_token():
@@ -195,3 +195,82 @@ def test_a_donor_that_lost_its_window_gives_way_to_the_next_owner():
     assert fourth["final"].cached_tokens == 0
     assert engine.kv_manager.window_fallbacks == 2
     assert fourth["content"] == _fresh(SYSTEM + "fourth question")
+
+
+def _scoped(engine, prompts: dict[str, tuple[str, str]], max_tokens: int = 8) -> dict[str, dict]:
+    """Like _run, each prompt with its cache scope: {id: (scope, prompt)}."""
+    for rid, (scope, p) in prompts.items():
+        params = sampling(max_tokens=max_tokens, cache_scope=scope)
+        engine.add_request(rid, byte_tokenize(p), params)
+    return run_to_completion(engine)
+
+
+def test_a_prompt_of_another_scope_reuses_nothing():
+    """Key B sends key A's prompt: nothing cached (it would tell B what A sent); A again
+    reuses it as before."""
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    prompt = SYSTEM + "my secret is 4711"
+    n = len(byte_tokenize(prompt))
+    first = _scoped(engine, {"a": ("key:a", prompt)})["a"]
+    other = _scoped(engine, {"b": ("key:b", prompt)})["b"]
+    again = _scoped(engine, {"a2": ("key:a", prompt)})["a2"]
+    assert (first["final"].cached_tokens, other["final"].cached_tokens) == (0, 0)
+    assert again["final"].cached_tokens == n - 1
+    assert first["content"] == other["content"] == again["content"] == _fresh(prompt)
+    engine.check_integrity()
+
+
+def test_scopes_never_wait_for_copy_from_or_take_over_each_other():
+    """The other reuse paths: a running donor of another scope is neither waited for nor
+    copied from, and another scope's parked conversation is not continued."""
+    runner = FakeRunner()
+    engine = fake_engine(runner)
+    prompt = SYSTEM + "Tell me more."
+    both = _scoped(engine, {"a": ("key:a", prompt), "b": ("key:b", prompt)})
+    assert both["a"]["final"].cached_tokens == both["b"]["final"].cached_tokens == 0
+    assert runner.copies == []
+    follow = prompt + both["a"]["content"] + " And then?"
+    turn = _scoped(engine, {"c": ("salt:c", follow)})["c"]
+    assert turn["final"].cached_tokens == 0 and turn["content"] == _fresh(follow)
+    same = _scoped(engine, {"d": ("key:a", follow)})["d"]
+    assert same["final"].cached_tokens > 0 and runner.copies == []  # took over a's sequence
+
+
+def test_the_index_hides_other_scopes_inside_the_first_block_too():
+    """The token-by-token extension happens only behind a full block found in the prompt's own
+    scope: no owner of another scope is ever a match, however many tokens it shares."""
+    idx = PrefixIndex(4)
+    secret = Parked(0, [1, 2, 3, 4, 5, 6, 7, 8, 9], cache_scope="key:a")
+    idx.add(secret)
+    assert list(idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "key:b")) == []
+    assert list(idx.matches([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "")) == []
+    assert _best_in(idx, [1, 2, 3, 4, 5, 6, 7, 0], "key:a") == (secret, 7)
+    block = [1, 2, 3, 4]
+    assert list(block_hashes(block, 4, "key:a")) != list(block_hashes(block, 4, "key:b"))
+    # The shared scope "" chains from 0, as before scopes: a single-tenant server's chains and
+    # a cluster's route keys are unchanged.
+    assert list(block_hashes([1, 2, 3, 4], 4, "")) == [hash((0, (1, 2, 3, 4)))]
+
+
+def _best_in(idx: PrefixIndex, tokens: list[int], scope: str) -> tuple[object, int]:
+    m = next(idx.matches(tokens, scope), None)
+    return (None, 0) if m is None else (m.owner, m.length)
+
+
+def test_the_ledger_check_refuses_a_block_shared_across_scopes():
+    """`check_integrity` proves the rule on the ledger: were a block ever shared outside the
+    scoped index, the next idle check says so."""
+    import pytest
+
+    from ferrum.engine.kv import IntegrityError
+
+    engine = fake_engine()
+    _scoped(engine, {"a": ("key:a", SYSTEM)})
+    kv = engine.kv_manager
+    (parked,) = kv.parked
+    seq = kv.seq_ids.acquire()
+    table = kv.blocks.fork(parked.page_table, len(parked.all_token_ids))
+    kv.parked.add(Parked(seq, list(parked.all_token_ids), table, "key:b"))
+    with pytest.raises(IntegrityError, match="shared across cache scopes"):
+        engine.check_integrity()

@@ -5,6 +5,7 @@ prefill with a counter, never a crash or wrong output."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def _engine(
     return runner, _restoring(engine)
 
 
-def _ask(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    engine.add_request(rid, prompt, sampling(max_tokens=8))
+def _ask(engine: LLMEngine, rid: str, prompt: list[int], scope: str = "") -> tuple[list[int], int]:
+    engine.add_request(rid, prompt, sampling(max_tokens=8, cache_scope=scope))
     out = run_to_completion(engine)[rid]
     engine.check_integrity()
     return out["tokens"], out["final"].cached_tokens
@@ -171,6 +172,43 @@ def test_a_damaged_file_is_deleted_and_prefilled_afresh(tmp_path: Path, damage: 
         assert engine.kv_manager.saved.snapshot().failures == 1
 
 
+def test_a_saved_state_is_restored_only_in_its_own_scope_before_and_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    prompts = _prompts(6)
+    _, engine = _engine(tmp_path)
+    for i, p in enumerate(prompts):  # each pushes older ones out of the pool into the tiers
+        _ask(engine, f"a{i}", p, scope="key:a")
+    assert _ask(engine, "b0", prompts[0], scope="key:b") == (_fresh(prompts[0]), 0)
+    first = [e for e in engine.kv_manager.saved if e.all_token_ids[: len(prompts[0])] == prompts[0]]
+    assert "key:a" in {e.cache_scope for e in first}  # there, but not for key B
+    engine.shutdown()
+
+    _, engine = _engine(tmp_path)  # the folder indexed again: each entry with its scope
+    for i, p in enumerate(prompts[1:]):
+        assert _ask(engine, f"b{i}", p, scope="key:b") == (_fresh(p), 0)
+        assert _ask(engine, f"s{i}", p, scope="") == (_fresh(p), 0)
+    assert engine.kv_manager.saved.snapshot().restores == 0
+    assert _ask(engine, "a", prompts[1], scope="key:a") == (_fresh(prompts[1]), len(prompts[1]) - 1)
+    assert engine.kv_manager.saved.snapshot().disk.hits == 1
+
+
+def test_files_of_the_format_without_scopes_are_deleted_never_loaded(tmp_path: Path) -> None:
+    """Read as the shared scope "", an older file would hand one key's prompt to everyone."""
+    import json
+    import zlib
+
+    tokens, state = list(range(40)), b"state" * 8
+    toks = tier_files.token_bytes(tokens)
+    crc = zlib.crc32(state, zlib.crc32(toks))
+    meta = {"fingerprint": FP, "tokens": 40, "state_bytes": len(state), "crc32": crc}
+    header = json.dumps(meta).encode()
+    old = tmp_path / (hashlib.sha256(toks).hexdigest()[:32] + ".kv")
+    old.write_bytes(b"FERRUMKV1\n" + len(header).to_bytes(4, "little") + header + toks + state)
+    store = SavedStates(TierConfig(1000, 10_000, tmp_path, FP, io_thread=False), PrefixIndex(4))
+    assert len(store) == 0 and not old.exists()
+
+
 def test_another_models_files_are_deleted_never_loaded(tmp_path: Path) -> None:
     prompt = _saved_folder(tmp_path, 1)[0]
     engine, cached = _restart_and_ask(tmp_path, prompt, fingerprint="model-b")
@@ -198,7 +236,7 @@ def test_a_crash_mid_write_leaves_no_file_under_the_final_name(tmp_path: Path) -
     os.fsync = crashing_fsync  # type: ignore[assignment]
     try:
         with pytest.raises(Crash):
-            tier_files.write_entry(tmp_path / "k.kv", FP, [1, 2, 3], bytearray(b"state"))
+            tier_files.write_entry(tmp_path / "k.kv", FP, [1, 2, 3], "", bytearray(b"state"))
     finally:
         os.fsync = real
     assert list(tmp_path.iterdir()) == []
@@ -267,7 +305,7 @@ def test_recurrent_models_restore_only_a_whole_saved_state() -> None:
 
 def test_costs_restore_only_when_measured_faster_than_prefill() -> None:
     costs = Costs()
-    entry = Saved("k", list(range(1000)), state_bytes=10_000_000, data=bytearray(1))
+    entry = Saved("k", list(range(1000)), 10_000_000, "", data=bytearray(1))
     assert costs.worth(entry, 1000)  # nothing measured yet: try it
     costs.prefilled(1000, 1.0)  # 1,000 tokens/s
     costs.restored(Tier.RAM, 10_000_000, 0.01)  # 1 GB/s
@@ -281,7 +319,7 @@ def test_costs_restore_only_when_measured_faster_than_prefill() -> None:
 def test_the_index_holds_exactly_the_entries_in_a_tier(tmp_path: Path) -> None:
     index = PrefixIndex(4)
     store = SavedStates(TierConfig(100, 10_000, tmp_path, FP, io_thread=False), index)
-    kept = [store.save(list(range(i, i + 20)), bytearray(40)) for i in range(5)]
+    kept = [store.save(list(range(i, i + 20)), "", bytearray(40)) for i in range(5)]
     assert len(index) == len(store) == 5  # RAM holds 2, the disk all 5
     assert sum(e.data is not None for e in kept) == 2
     store.close()

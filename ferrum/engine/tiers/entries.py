@@ -19,11 +19,13 @@ class Tier(enum.StrEnum):
 
 @dataclass(eq=False)
 class Saved:
-    """One saved sequence state: its tokens (what it holds, positions 0..n) and where it is."""
+    """One saved sequence state: its tokens (what it holds, positions 0..n), whose it is (only
+    prompts of its cache scope find it in the index) and where it is."""
 
     key: str
     all_token_ids: list[int]
     state_bytes: int
+    cache_scope: str
     data: bytearray | None = None  # the state in RAM
     header: EntryHeader | None = None  # the state's file, once written
     writing: bool = False
@@ -105,7 +107,10 @@ def file_fingerprint(path: str) -> str:
     return h.hexdigest()[:24]
 
 
-def state_key(tokens: list[int]) -> str:
-    return hashlib.sha256(token_bytes(tokens)).hexdigest()[:32]
+def state_key(tokens: list[int], scope: str) -> str:
+    """An entry's name: the same tokens of two scopes are two entries."""
+    h = hashlib.sha256(scope.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(token_bytes(tokens))
+    return h.hexdigest()[:32]
 
 

@@ -1,16 +1,19 @@
 """The disk tier's files: one saved sequence state per file, written so a crash never leaves
 a file that looks whole, read back only when everything in it checks out.
 
-    name       <dir>/<model>/<key>.kv          key: a hash of the tokens it holds
+    name       <dir>/<model>/<key>.kv
     file       MAGIC | u32 header length | header (JSON) | tokens (int32 LE) | state bytes
-    header     {"fingerprint", "tokens", "state_bytes", "crc32"}   crc32 of tokens + state
+    header     {"fingerprint", "scope", "tokens", "state_bytes", "crc32"}   crc32 of tokens + state
+    key        a hash of the cache scope and the tokens (entries.state_key)
 
 Writing goes to `.<key>.<pid>.tmp` in the same folder, is flushed and fsynced, then renamed
 over the final name: a reader sees the old file, the new one, or none, never half of one.
 Leftover temporary files (a crash mid-write) are removed when the folder is scanned.
 
 A file whose header is unreadable, whose fingerprint is another model's or another llama.cpp
-build's, or whose checksum fails is deleted and never handed to llama.cpp.
+build's, or whose checksum fails is deleted and never handed to llama.cpp. So is a file of an
+earlier format (`FERRUMKV1`, written before entries had a cache scope): read as scope "" it
+would hand one key's prompt to every request of a shared cache.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"FERRUMKV1\n"
+MAGIC = b"FERRUMKV2\n"  # 2: the header names the entry's cache scope
 SUFFIX = ".kv"
 _HEADER_LEN = struct.Struct("<I")
 _MAX_HEADER = 4096
@@ -37,6 +40,7 @@ class EntryError(ValueError):
 class EntryHeader:
     path: Path
     tokens: list[int]
+    scope: str
     state_bytes: int
     crc32: int
     file_bytes: int
@@ -57,14 +61,15 @@ def _swapped(arr: array[int]) -> bytes:  # pragma: no cover - big-endian hosts
     return arr.tobytes()
 
 
-def write_entry(path: Path, fingerprint: str, tokens: list[int], state: bytes | bytearray) -> int:
+def write_entry(
+    path: Path, fingerprint: str, tokens: list[int], scope: str, state: bytes | bytearray
+) -> int:
     """Writes one entry atomically; returns its size. OSError (a full disk, say) leaves no
     file behind under either name."""
     toks = token_bytes(tokens)
     crc = zlib.crc32(state, zlib.crc32(toks))
-    header = json.dumps(
-        {"fingerprint": fingerprint, "tokens": len(tokens), "state_bytes": len(state), "crc32": crc}
-    ).encode()
+    meta = {"fingerprint": fingerprint, "scope": scope, "tokens": len(tokens)}
+    header = json.dumps(meta | {"state_bytes": len(state), "crc32": crc}).encode()
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -87,6 +92,8 @@ def read_header(path: Path, fingerprint: str) -> EntryHeader:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + _HEADER_LEN.size)
+            if head.startswith(b"FERRUMKV") and not head.startswith(MAGIC):
+                raise EntryError("an earlier ferrum's format (no cache scope)")
             if len(head) < len(MAGIC) + _HEADER_LEN.size or not head.startswith(MAGIC):
                 raise EntryError("not a ferrum KV file")
             (n,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
@@ -95,6 +102,9 @@ def read_header(path: Path, fingerprint: str) -> EntryHeader:
             meta = json.loads(f.read(n))
             if meta.get("fingerprint") != fingerprint:
                 raise EntryError("saved by another model or llama.cpp build")
+            scope = meta["scope"]
+            if not isinstance(scope, str):
+                raise EntryError("no cache scope")
             count, state_bytes = int(meta["tokens"]), int(meta["state_bytes"])
             raw = f.read(4 * count)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -106,7 +116,7 @@ def read_header(path: Path, fingerprint: str) -> EntryHeader:
     tokens.frombytes(raw)
     if not _LITTLE:  # pragma: no cover
         tokens.byteswap()
-    return EntryHeader(path, tokens.tolist(), state_bytes, int(meta["crc32"]), size)
+    return EntryHeader(path, tokens.tolist(), scope, state_bytes, int(meta["crc32"]), size)
 
 
 def read_state(header: EntryHeader) -> bytearray:

@@ -61,18 +61,19 @@ class SavedStates:
 
     # -- engine thread ----------------------------------------------------------------------
 
-    def get(self, tokens: list[int]) -> Saved | None:
-        return self._entries.get(state_key(tokens))
+    def get(self, tokens: list[int], scope: str) -> Saved | None:
+        return self._entries.get(state_key(tokens, scope))
 
-    def save(self, tokens: list[int], state: bytearray) -> Saved:
-        """Keeps a state in RAM (and writes it behind to disk); the same tokens twice keep one."""
+    def save(self, tokens: list[int], scope: str, state: bytearray) -> Saved:
+        """Keeps a state of `scope` in RAM (and writes it behind to disk); the same tokens
+        twice in one scope keep one."""
         self.poll()
-        key = state_key(tokens)
+        key = state_key(tokens, scope)
         entry = self._entries.get(key)
         if entry is not None:
             self.touch(entry)
             return entry
-        entry = Saved(key, list(tokens), len(state), data=state)
+        entry = Saved(key, list(tokens), len(state), scope, data=state)
         self._entries[key] = entry
         self._ram[key] = entry
         self._ram_bytes += len(state)
@@ -215,11 +216,11 @@ class SavedStates:
             log.warning("prefix cache: deleted %s (%s)", path.name, why)
         kept.sort(key=lambda h: _mtime(h.path))
         for header in kept:
-            key = state_key(header.tokens)
+            key = state_key(header.tokens, header.scope)
             if header.path.name != key + files.SUFFIX or key in self._entries:
                 header.path.unlink(missing_ok=True)
                 continue
-            entry = Saved(key, header.tokens, header.state_bytes, header=header)
+            entry = Saved(key, header.tokens, header.state_bytes, header.scope, header=header)
             self._entries[key] = entry
             self._disk[key] = entry
             self._disk_bytes += header.file_bytes
@@ -235,13 +236,13 @@ class SavedStates:
     def _write(self, entry: Saved, state: bytearray) -> None:
         assert self.config.folder is not None
         path = self.config.folder / (entry.key + files.SUFFIX)
-        tokens, fingerprint = entry.all_token_ids, self.config.fingerprint
+        tokens, fingerprint, scope = entry.all_token_ids, self.config.fingerprint, entry.cache_scope
         entry.writing = True
         self._pending_bytes += len(state)
 
         def job() -> None:
             try:
-                size = files.write_entry(path, fingerprint, tokens, state)
+                size = files.write_entry(path, fingerprint, tokens, scope, state)
             except OSError as exc:
                 self._done.put(partial(self._written, entry, path, None, exc))
             else:
@@ -259,7 +260,7 @@ class SavedStates:
             path.unlink(missing_ok=True)  # forgotten while it was being written
         else:
             entry.header = files.EntryHeader(
-                path, entry.all_token_ids, entry.state_bytes, 0, size
+                path, entry.all_token_ids, entry.cache_scope, entry.state_bytes, 0, size
             )
             self._disk[entry.key] = entry
             self._disk_bytes += size
