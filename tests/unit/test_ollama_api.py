@@ -17,6 +17,7 @@ import ollama
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.auth import Keys
 from ferrum.models.gguf_file import read_gguf
 from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
@@ -324,10 +325,10 @@ def test_other_api_paths_are_ollama_shaped_404s(two):
     assert r.status_code == 404 and set(r.json()) == {"error"}
 
 
-def test_store_routes_are_refused_without_a_store(two):
-    client, _ = two
-    assert "store" in _refused(lambda: client.delete("alpha"))
-    assert "store" in _refused(lambda: client.copy("alpha", "gamma"))
+def test_store_routes_are_refused_without_a_store():
+    with served(models={"alpha": FakeRunner}, keys=Keys(open_admin=True)) as (client, _):
+        assert "store" in _refused(lambda: client.delete("alpha"))
+        assert "store" in _refused(lambda: client.copy("alpha", "gamma"))
 
 
 def test_a_format_that_is_no_schema_is_refused_before_any_stream():
@@ -420,7 +421,8 @@ def stored(tmp_path):
         ModelSpec("loose", lambda: str(path), f"file:{path}"),
     ]
     runners = defaultdict(lambda: FakeRunner, alpha=FakeRunner)  # and models added later
-    with served(models=runners, store=store, registry={"specs": specs}) as (client, http):
+    keys = Keys(open_admin=True)  # the store's routes need an admin
+    with served(models=runners, store=store, registry={"specs": specs}, keys=keys) as (client, _):
         yield client, store, path
 
 
