@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from ferrum.api.auth import Keys
 from ferrum.models.gguf_file import read_gguf
+from ferrum.models.presets import Preset
 from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
@@ -472,6 +473,17 @@ def test_only_the_store_s_own_models_can_be_deleted_or_copied(stored):
     assert "not in the model store" in _refused(lambda: client.copy("loose", "x"))
 
 
+def test_a_copy_cannot_take_a_built_in_or_served_name(stored):
+    client, store, _ = stored
+    # a built-in (served here or not), a model outside the store, a --model file, any case
+    for dest in ("gemma3-270m", "smol", "alpha", "loose", "Loose:latest"):
+        error = _refused(lambda dest=dest: client.copy("tiny", dest))
+        assert f"{dest!r}" in error and "cannot be copied over" in error
+    assert [m.name for m in store.list()] == ["tiny"]
+    tags = {m.model: m for m in client.list().models}
+    assert tags["smol"].digest == tags["alpha"].digest == ""  # still not the store's
+
+
 # -- the store: pull ------------------------------------------------------------------------
 
 
@@ -516,6 +528,27 @@ def test_a_failed_pull_ends_with_an_error(stored, monkeypatch):
         list(client.pull("org/repo", stream=True))
     assert "cannot reach" in err.value.error
     assert "cannot reach" in _refused(lambda: client.pull("org/repo"), 502)
+
+
+def test_a_pull_cannot_take_a_built_in_or_served_name(tmp_path, monkeypatch):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    specs = [
+        ModelSpec("smol", lambda: "", "builtin:smol", preset=Preset(aliases=("org/smol",))),
+        ModelSpec("org/loose", lambda: str(path), f"file:{path}"),
+    ]
+    monkeypatch.setattr("ferrum.api.ollama.models.pull", _no_pull)
+    store = ModelStore(tmp_path / "store")
+    kw = {"registry": {"specs": specs}, "store": store, "keys": Keys(open_admin=True)}
+    with served(models={"smol": FakeRunner, "org/loose": FakeRunner}, **kw) as (client, http):
+        for name in ("org/smol", "org/loose", "ORG/LOOSE:latest"):
+            error = _refused(lambda name=name: client.pull(name))
+            assert f"{name!r}" in error and "cannot be pulled over" in error
+        assert store.list() == []
+        assert [s.source for s in http.app.state.ferrum.models.specs()][1] == f"file:{path}"
+
+
+def _no_pull(*args, **kwargs):
+    raise AssertionError("the pull should have been refused before it started")
 
 
 def test_a_pull_of_a_local_file_is_refused(stored):

@@ -10,6 +10,9 @@ Rules:
   runs on when its client hangs up, and "success" comes only once the model is served.
 - Only the store's own models can be deleted or copied: not built-in models, nor files given
   to `--model`. A server without a store refuses all three.
+- A copy or pull never takes a built-in model's name, nor a name or alias the server serves
+  (a pull may update the store's own model of its name): `Registry.add` would swap the served
+  model for it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
 from ferrum.api.serving import ServerState
 from ferrum.engine.batch import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
+from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.errors import InvalidModelFile, ModelNotFound
 from ferrum.models.gguf_file import read_gguf
 from ferrum.models.memory import model_files
@@ -237,6 +241,36 @@ async def _stored(
     return store, spec, manifest
 
 
+async def _refuse_taken(
+    state: ServerState, store: ModelStore, name: str, action: str, param: str
+) -> None:
+    """400 unless a copy or pull may store a model as `name`: not under a built-in's name,
+    nor under any name or alias the registry serves, which `Registry.add` would swap for the
+    new model (the models a server was started with are its operator's choice). The one
+    exception: a pull of the store's own model of that very name, an update."""
+    refuse_builtin_name(name, action, param)
+    spec = state.models.lookup(name)
+    if spec is None:
+        return
+    if action == "pulled over" and await asyncio.to_thread(_own_model, store, spec, name):
+        return
+    raise InvalidRequest(
+        f"{name!r} names the served model {spec.name!r}: it cannot be {action}; choose "
+        "another name",
+        param=param,
+    )
+
+
+def _own_model(store: ModelStore, spec: ModelSpec, name: str) -> bool:
+    """Whether `spec` serves the store's model named `name` (reads its manifest)."""
+    if spec.name.lower() != name.lower() or spec.source.startswith("builtin:"):
+        return False
+    try:
+        return store.get(name).source == spec.source
+    except ModelNotFound:
+        return False
+
+
 def _progress(p: PullProgress) -> dict[str, Any]:
     line: dict[str, Any] = {"status": p.status}
     if p.total:
@@ -282,6 +316,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         if parse_reference(body.ref).kind == "file":
             # A remote client must not make the server read (or probe) files on its disk.
             raise InvalidRequest("local files are added with `ferrum pull` only", param="model")
+        await _refuse_taken(state, store, body.ref, "pulled over", "model")
         lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.ensure_future(_pull(state, store, body.ref, lines))
         pulls.add(task)
@@ -315,6 +350,7 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         require_admin(request, "copying a model")
         body = await parse(request, CopyBody)
         store, _, source = await _stored(state, body.source, "copied")
+        await _refuse_taken(state, store, body.destination, "copied over", "destination")
         manifest = await asyncio.to_thread(store.copy, source.name, body.destination)
         state.models.add(_served(manifest))
         return Response(status_code=200)
