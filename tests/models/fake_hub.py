@@ -21,8 +21,8 @@ Test switches: `gated` repositories answer resolve with 401 (no token) or 403 (w
 unless `Authorization: Bearer <token>`; `cut_next_download(n)` sends the next CDN body's
 first n bytes and drops the connection, then (with `then_down`) answers 503 to everything
 until `down` is cleared; `hold(n)` sends each CDN body's first n bytes, then waits for
-`release()` before the rest (a download under way, for as long as a test needs); `corrupt` flips the last byte of every CDN body; `log` records
-every request.
+`release()` before the rest (a download under way, for as long as a test needs); `corrupt`
+flips the last byte of every CDN body; `log` records every request.
 """
 
 from __future__ import annotations
