@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
-from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.anthropic import error_response as anthropic_error
+from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama import add_ollama_routes
@@ -170,6 +170,7 @@ def create_app(state: ServerState) -> FastAPI:
         lease = await state.models.acquire(state.models.default)
         lease.release()
         yield
+        state.pulls.close()
         await state.models.close()
 
     app = FastAPI(title="ferrum", lifespan=lifespan)

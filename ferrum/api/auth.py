@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +115,7 @@ def read_keys_file(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(user), tuple(admin)
 
 
-def remember(scope: dict[str, Any], caller: Caller) -> None:
+def remember(scope: MutableMapping[str, Any], caller: Caller) -> None:
     """Stores the gate's finding in the ASGI scope, where `caller_of` reads it."""
     scope.setdefault("state", {})[_SCOPE_KEY] = caller
 

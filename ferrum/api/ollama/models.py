@@ -6,8 +6,11 @@ Rules:
   file, or any model once loaded); what is unknown is an empty string or 0, never missing:
   clients read these fields without checking. Reading them touches files: a worker thread.
 - /api/pull stores and serves a model under the name the client pulled (Ollama's naming),
-  not `ferrum pull`'s "org/repo:QUANT", so that the client's next request finds it. A pull
-  runs on when its client hangs up, and "success" comes only once the model is served.
+  not `ferrum pull`'s "org/repo:QUANT", so that the client's next request finds it.
+  "success" comes only once the model is served. Pulls run on threads of their own
+  (`PullWorkers`: two at once, the rest wait), never on the default pool. A pull whose
+  client hangs up (streamed or not) is cancelled, and a pull that fails or is cancelled
+  leaves no part files (`pull.pull`'s `resume=False`).
 - Only the store's own models can be deleted or copied: not built-in models, nor files given
   to `--model`. A server without a store refuses all three.
 - A copy or pull never takes a built-in model's name, nor a name or alias the server serves
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,7 +36,7 @@ from ferrum.api.auth import require_admin
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
-from ferrum.api.serving import ServerState
+from ferrum.api.serving import ServerState, unless_gone
 from ferrum.engine.batch import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
 from ferrum.models.builtin import refuse_builtin_name
@@ -290,8 +294,11 @@ async def _pull(
         if p.status != "success":
             loop.call_soon_threadsafe(lines.put_nowait, _progress(p))
 
+    def job(cancel: threading.Event) -> Manifest:
+        return pull(store, ref, progress=progress, name=ref, cancel=cancel, resume=False)
+
     try:
-        manifest = await asyncio.to_thread(pull, store, ref, progress=progress, name=ref)
+        manifest = await state.pulls.run(job)
         state.models.add(_served(manifest))
         lines.put_nowait({"status": "success"})
     except FerrumError as exc:
@@ -308,8 +315,8 @@ def add_store_routes(route: Route, state: ServerState) -> None:
 
     @route("POST", "/api/pull")
     async def pull_model(request: Request) -> Response:
-        """Streams the pull's progress. The pull runs on when its client hangs up (a download
-        cannot be cut half-way), and its model is served once it is complete."""
+        """Streams the pull's progress; its model is served once it is complete. A client
+        that hangs up cancels its pull."""
         require_admin(request, "pulling a model")
         body = await parse(request, PullBody)
         store = _store(state)
@@ -322,10 +329,11 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         pulls.add(task)
         task.add_done_callback(pulls.discard)
         if body.stream:
-            return StreamingResponse(_pull_lines(lines), media_type=NDJSON)
-        last: dict[str, Any] = {}
-        while (line := await lines.get()) is not None:
-            last = line
+            return StreamingResponse(_pull_lines(lines, task), media_type=NDJSON)
+        try:
+            last = await unless_gone(request, _last_line(lines), None)
+        finally:
+            task.cancel()  # the client hung up; nothing once the pull has ended
         if "error" in last:
             return JSONResponse({"error": last["error"]}, status_code=last["status_code"])
         return JSONResponse(last)
@@ -356,10 +364,24 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         return Response(status_code=200)
 
 
-async def _pull_lines(lines: asyncio.Queue[dict[str, Any] | None]) -> AsyncIterator[str]:
+async def _pull_lines(
+    lines: asyncio.Queue[dict[str, Any] | None], pulling: asyncio.Task[None]
+) -> AsyncIterator[str]:
+    """The pull's lines; Starlette ends this generator when the client hangs up, which
+    cancels the pull (in `finally`)."""
+    try:
+        while (line := await lines.get()) is not None:
+            line.pop("status_code", None)
+            yield ndjson_line(line)
+    finally:
+        pulling.cancel()
+
+
+async def _last_line(lines: asyncio.Queue[dict[str, Any] | None]) -> dict[str, Any]:
+    last: dict[str, Any] = {}
     while (line := await lines.get()) is not None:
-        line.pop("status_code", None)
-        yield ndjson_line(line)
+        last = line
+    return last
 
 
 def _context(model: Loaded) -> int:
