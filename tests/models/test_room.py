@@ -134,9 +134,7 @@ def test_a_cancelled_pull_stops_and_leaves_no_parts_unless_it_resumes(
     assert seen[-1].completed < seen[-1].total  # it stopped half-way
 
 
-def test_a_failed_pull_leaves_no_parts_unless_it_resumes(
-    hub: FakeHub, store: ModelStore
-) -> None:
+def test_a_failed_pull_without_resume_leaves_no_parts(hub: FakeHub, store: ModelStore) -> None:
     hub.cut_next_download(50_000)
     with pytest.raises(PullError):
         pull(store, SPLIT, resume=False)

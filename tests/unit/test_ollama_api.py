@@ -491,8 +491,8 @@ def test_a_pull_streams_progress_then_serves_the_model(stored, monkeypatch):
     client, store, path = stored
     seen: dict = {}
 
-    def fake_pull(store_, ref, *, progress, name):  # the hub's part is tests/models' business
-        seen.update(ref=ref, name=name)
+    def fake_pull(store_, ref, *, progress, name, cancel, resume):  # the hub: tests/models
+        seen.update(ref=ref, name=name, resume=resume)
         progress(PullProgress("pulling manifest"))
         for done in (0, 512, 1024):
             progress(PullProgress("pulling model.gguf", done, 1024, "model.gguf"))
@@ -501,7 +501,7 @@ def test_a_pull_streams_progress_then_serves_the_model(stored, monkeypatch):
 
     monkeypatch.setattr("ferrum.api.ollama.models.pull", fake_pull)
     lines = [dict(p) for p in client.pull("hf.co/org/repo:Q8_0", stream=True)]
-    assert seen == {"ref": "hf.co/org/repo:Q8_0", "name": "hf.co/org/repo:Q8_0"}
+    assert seen == {"ref": "hf.co/org/repo:Q8_0", "name": "hf.co/org/repo:Q8_0", "resume": False}
     assert lines[0] == {
         "status": "pulling manifest",
         "completed": None,
