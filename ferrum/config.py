@@ -320,3 +320,11 @@ class ModelsConfig:
             "default: no limit; 'auto': free GPU memory on a CUDA build, else free RAM)",
         ),
     )
+    models_max_bytes: str = field(
+        default="0",
+        metadata=_flag(
+            "--models-max-bytes",
+            help="most disk the model store may take, its files and the pulls under way "
+            "(e.g. 50GiB; 0: no quota beyond the free disk); a pull or copy past it is a 400",
+        ),
+    )

@@ -195,7 +195,10 @@ def build_server(
     engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig
 ) -> tuple[FastAPI, str]:
     """The app (not yet started: models load on first use) and a startup line."""
-    store = ModelStore(models_cfg.models_dir or default_models_dir())
+    store = ModelStore(
+        models_cfg.models_dir or default_models_dir(),
+        max_bytes=parse_size(models_cfg.models_max_bytes),
+    )
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets))
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.

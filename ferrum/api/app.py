@@ -201,6 +201,7 @@ def create_app(state: ServerState) -> FastAPI:
         lease = await state.models.acquire(state.models.default)
         lease.release()
         yield
+        state.pulls.close()
         await state.models.close()
 
     app = FastAPI(title="ferrum", lifespan=lifespan)

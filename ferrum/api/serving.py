@@ -31,6 +31,7 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
+from ferrum.models.pull_workers import PullWorkers
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
 from ferrum.models.units import parse_duration
@@ -48,6 +49,7 @@ class ServerState:
     models: Registry[Loaded]
     metrics: ServerMetrics
     store: ModelStore | None = None  # None: pulls and deletes through the API are refused
+    pulls: PullWorkers = field(default_factory=PullWorkers)  # the threads pulls run on
     keys: Keys = field(default_factory=Keys)
     public_metrics: bool = False
     share_prefix_cache: bool = False  # --share-prefix-cache: one cache scope for every key

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
+from ferrum.errors import InvalidRequest
 from ferrum.models.errors import ModelNotFound
 from ferrum.models.presets import Preset
 
@@ -59,3 +60,15 @@ def builtin_path(name: str) -> str:
     if name not in BUILTINS:
         raise ModelNotFound(name, BUILTINS, what="built-in model")
     return BUILTINS[name]()
+
+
+def refuse_builtin_name(name: str, action: str, param: str = "model") -> None:
+    """`InvalidRequest` when `name` is a built-in model's (in any case, with or without
+    ":latest", as the registry and the store match names): a copy or pull stored under it would
+    shadow the built-in, or be shadowed by it. `action`: "copied over", "pulled over"."""
+    wanted = name.lower().removesuffix(":latest")
+    if any(n.lower() == wanted for n in BUILTINS):
+        raise InvalidRequest(
+            f"{name!r} is a built-in model's name: it cannot be {action}; choose another name",
+            param=param,
+        )

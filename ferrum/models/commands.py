@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from ferrum.errors import FerrumError
+from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.pull import PullProgress, pull
 from ferrum.models.store import Manifest, ModelStore, default_models_dir
 
@@ -76,6 +77,8 @@ def _store(args: argparse.Namespace) -> ModelStore:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    if args.name and args.name.lower() != args.ref.lower():  # a built-in under its own name
+        refuse_builtin_name(args.name, "pulled over")
     bar = _ProgressBar()
     try:
         m = pull(_store(args), args.ref, progress=bar, name=args.name)
@@ -120,6 +123,7 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _cp(args: argparse.Namespace) -> int:
+    refuse_builtin_name(args.dst, "copied over")
     store = _store(args)
     m: Manifest = store.copy(args.src, args.dst)
     print(f"copied {args.src} to {m.name}")

@@ -1,7 +1,7 @@
 """Fetching a model's files from the Hugging Face Hub for `pull`: one file into its part file
 over plain HTTP (resuming what an interrupted pull left, HTTP Range), its progress as
-Ollama's /api/pull reports it, its sha256, the disk space a model needs, and the hub's
-errors as ferrum's."""
+Ollama's /api/pull reports it, its sha256, and the hub's errors as ferrum's (the room a model
+needs: `space.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import functools
 import glob
 import hashlib
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +32,10 @@ from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]
 
 from ferrum.models.errors import (
     HubAccessDenied,
-    InsufficientStorage,
     InvalidModelFile,
     NotOnHub,
     PullError,
 )
-from ferrum.models.reference import GGUFModel
-from ferrum.models.store import ModelStore
 
 _HASH_CHUNK = 2**20
 
@@ -57,19 +53,6 @@ class PullProgress:
 
 
 Progress = Callable[[PullProgress], None]
-
-
-def check_space(store: ModelStore, partial: Path, model: GGUFModel) -> None:
-    """`InsufficientStorage` unless the store's disk has room for what the model still lacks
-    (its size less the part files already there)."""
-    have = sum(p.stat().st_size for p in partial.glob("*.part")) if partial.is_dir() else 0
-    need = model.size - have
-    free = shutil.disk_usage(store.root).free
-    if model.size and need > free:
-        raise InsufficientStorage(
-            f"not enough disk space in {store.root}: the model needs {need} more bytes, "
-            f"{free} are free"
-        )
 
 
 def download(

@@ -54,6 +54,24 @@ class InsufficientStorage(FerrumError):
     code = "insufficient_storage"
 
 
+class StoreQuotaExceeded(InvalidRequest):
+    """A pull or copy that would take the store past `--models-max-bytes`. A 400, not a 507:
+    the disk is not full, the operator's limit refuses this request (as it would any other
+    too large), and clients that retry 5xx answers must not retry it; every Ollama client
+    shows the `{"error"}` message."""
+
+    code = "store_quota_exceeded"
+
+
+class PullCancelled(FerrumError):
+    """The pull's client hung up (or the server is stopping): the download stops at its next
+    chunk. Nobody reads this error."""
+
+    status = 499  # "client closed request", as nginx counts it
+    type = "client_error"
+    code = "pull_cancelled"
+
+
 class InsufficientMemory(FerrumError):
     """A model that does not fit the memory budget even with every other model unloaded."""
 

@@ -16,9 +16,19 @@ A pull (`pull`), step by step:
    with `read_gguf` (a split model's shards must agree on their number and order).
 6. Moves the files into `files/<slug>/`, then writes the manifest (`ModelStore.add`).
 
-Failures: a hub that cannot be reached or a transfer cut short is a `PullError` and keeps the
-part files for the next pull; a file that is not a whole GGUF (`InvalidModelFile`) or a full
-disk (`InsufficientStorage`) deletes them. Either way no manifest is written.
+Room: the model's size is reserved before its first byte is fetched, against the free disk
+and the store's quota (`space.py`), until its files are installed.
+
+Failures: a hub that cannot be reached or a transfer cut short is a `PullError`; a file that
+is not a whole GGUF (`InvalidModelFile`), a full disk (`InsufficientStorage`) or the quota
+(`StoreQuotaExceeded`) deletes the part files. Either way no manifest is written.
+
+Part files and cancelling: `ferrum pull` (`resume=True`, the default) keeps the part files of
+a pull that failed or was interrupted (Ctrl-C), so that the next pull of the model resumes
+them. The API's pulls pass `resume=False` and a `cancel` event: a server must not keep the
+bytes of every pull a client gave up on, so a failed pull removes its part files, and a pull
+whose client hung up (`cancel` set) stops at its next chunk (`PullCancelled`) and removes them
+too. Both happen under the name's lock, so they never touch another pull's parts.
 
 The endpoint is $HF_ENDPOINT, read at each pull; the token is `token`, else what
 huggingface_hub finds itself ($HF_TOKEN, then the saved login).
@@ -30,6 +40,7 @@ import errno
 import functools
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,12 +53,18 @@ from ferrum.models.builtin import BUILTINS, builtin_path
 from ferrum.models.download import (
     Progress,
     PullProgress,
-    check_space,
     download,
     hub_errors,
     sha256_of,
 )
-from ferrum.models.errors import InsufficientStorage, InvalidModelFile, NotOnHub, PullError
+from ferrum.models.errors import (
+    InsufficientStorage,
+    InvalidModelFile,
+    NotOnHub,
+    PullCancelled,
+    PullError,
+    StoreQuotaExceeded,
+)
 from ferrum.models.gguf_file import GGUFFacts, read_gguf
 from ferrum.models.reference import (
     GGUFModel,
@@ -71,15 +88,19 @@ def pull(
     progress: Progress | None = None,
     token: str | None = None,
     name: str | None = None,
+    cancel: threading.Event | None = None,
+    resume: bool = True,
 ) -> Manifest:
     """Pulls `ref` (see `reference.parse_reference`) into the store; a local file is adopted
-    in place. `name` overrides the store name ("org/repo:QUANT")."""
+    in place. `name` overrides the store name ("org/repo:QUANT"). `cancel` stops the pull at
+    its next chunk; `resume=False` removes the part files of a pull that did not finish."""
     if name is not None:
         check_name(name)  # before the hub is asked, not after the download
     if ref in BUILTINS:  # a built-in model, adopted where its package keeps it
         return adopt(store, builtin_path(ref), name or ref, source=f"builtin:{ref}")
     reference = parse_reference(ref)
-    report = progress or (lambda p: None)
+    cancel = cancel or threading.Event()
+    report = _cancellable(progress or (lambda p: None), cancel)
     if reference.kind == "file":
         return adopt(store, reference.path, name)
     endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
@@ -90,9 +111,28 @@ def pull(
     with store.lock(name):
         manifest = _current(store, name, plan.source)
         if manifest is None:
-            manifest = _fetch(store, name, plan, endpoint, token, report)
+            try:
+                if cancel.is_set():  # while it waited for the lock
+                    raise PullCancelled("the pull was cancelled: its client hung up")
+                manifest = _fetch(store, name, plan, endpoint, token, report)
+            except BaseException:
+                if not resume:
+                    shutil.rmtree(store.partial_dir(name), ignore_errors=True)
+                raise
     report(PullProgress("success"))
     return manifest
+
+
+def _cancellable(report: Progress, cancel: threading.Event) -> Progress:
+    """`report`, raising `PullCancelled` once `cancel` is set: a download reports each chunk
+    (`download._Bar`), so it stops at its next one."""
+
+    def check(p: PullProgress) -> None:
+        if cancel.is_set():
+            raise PullCancelled("the pull was cancelled: its client hung up")
+        report(p)
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -138,15 +178,15 @@ def _fetch(
     partial = store.partial_dir(name)
     model = plan.model
     try:
-        check_space(store, partial, model)
-        fetch = functools.partial(
-            download, plan.repo, plan.commit, endpoint, token, partial, report
-        )
-        with hub_errors(plan.repo, endpoint):
-            parts = [fetch(f, plan.sha256.get(f)) for f in model.files]
-        facts = _check_model(parts, model.files)
-        return _install(store, name, plan.source, model, parts, facts, report)
-    except (InvalidModelFile, InsufficientStorage):
+        with store.space.reserve(name, partial, model.size):
+            fetch = functools.partial(
+                download, plan.repo, plan.commit, endpoint, token, partial, report
+            )
+            with hub_errors(plan.repo, endpoint):
+                parts = [fetch(f, plan.sha256.get(f)) for f in model.files]
+            facts = _check_model(parts, model.files)
+            return _install(store, name, plan.source, model, parts, facts, report)
+    except (InvalidModelFile, InsufficientStorage, StoreQuotaExceeded):
         shutil.rmtree(partial, ignore_errors=True)
         raise
     except OSError as exc:

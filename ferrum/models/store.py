@@ -19,7 +19,8 @@ Rules:
 - The store deletes only what lies under `root/files/`. A manifest may list files outside it
   (an adopted file, a built-in model's): those are referenced in place and never deleted.
 - `copy` hard-links the files into the new model's own directory (a plain copy where links
-  are refused), so removing either model leaves the other whole.
+  are refused, which counts against the quota: `space.py`), so removing either model leaves
+  the other whole.
 - Pulls and removals of one name hold its lock (`lock`, a `filelock.FileLock`, so it works
   across processes): a second one waits up to `lock_timeout` seconds, then gets `ModelBusy`.
   `add` does not lock: a caller that races with others on a name holds `lock(name)`.
@@ -47,6 +48,7 @@ import filelock
 
 from ferrum.errors import InvalidRequest
 from ferrum.models.errors import ModelBusy, ModelNotFound
+from ferrum.models.space import StoreSpace
 
 log = logging.getLogger("ferrum.models")
 
@@ -138,7 +140,9 @@ def _quoted(name: str) -> str:
 
 
 class ModelStore:
-    def __init__(self, root: str | os.PathLike[str], *, lock_timeout: float = 30.0):
+    def __init__(
+        self, root: str | os.PathLike[str], *, lock_timeout: float = 30.0, max_bytes: int = 0
+    ):
         self.root = Path(root).expanduser().absolute()
         self.lock_timeout = lock_timeout
         self.manifests = self.root / "manifests"
@@ -147,6 +151,7 @@ class ModelStore:
         self.locks = self.root / "locks"
         for d in (self.manifests, self.files, self.partial, self.locks):
             d.mkdir(parents=True, exist_ok=True)
+        self.space = StoreSpace(self.root, self.files, self.partial, max_bytes)
         self._clean_orphans()
 
     # -- reading ----------------------------------------------------------------------------
@@ -281,8 +286,9 @@ class ModelStore:
         dest.unlink(missing_ok=True)  # an older model of this name: `add` prunes the rest
         try:
             os.link(file, dest)
-        except OSError:  # a filesystem without hard links
-            shutil.copy2(file, dest)
+        except OSError:  # a filesystem without hard links: a real copy takes room
+            with self.space.reserve(f"a copy of {file.name}", None, file.stat().st_size):
+                shutil.copy2(file, dest)
         return str(dest)
 
     def _clean_orphans(self) -> None:

@@ -20,8 +20,9 @@ which huggingface_hub maps onto its exception classes.
 Test switches: `gated` repositories answer resolve with 401 (no token) or 403 (wrong token)
 unless `Authorization: Bearer <token>`; `cut_next_download(n)` sends the next CDN body's
 first n bytes and drops the connection, then (with `then_down`) answers 503 to everything
-until `down` is cleared; `corrupt` flips the last byte of every CDN body; `log` records
-every request.
+until `down` is cleared; `hold(n)` sends each CDN body's first n bytes, then waits for
+`release()` before the rest (a download under way, for as long as a test needs); `corrupt`
+flips the last byte of every CDN body; `log` records every request.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class FakeHub:
         self.down = False
         self.corrupt = False  # serve every CDN body with its last byte flipped
         self._cut: tuple[int, bool] | None = None
+        self._held: int | None = None
+        self._gate = threading.Event()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -104,11 +107,20 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release()
         self._server.shutdown()
         self._server.server_close()
 
     def cut_next_download(self, after: int, *, then_down: bool = True) -> None:
         self._cut = (after, then_down)
+
+    def hold(self, after: int) -> None:
+        self._held = after
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._held = None
+        self._gate.set()
 
     def requests(self, method: str, path_part: str) -> list[LoggedRequest]:
         with self._lock:
@@ -273,6 +285,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._head(206 if start else 200, headers)
         if method != "GET":
             return
+        held = self.hub._held
+        if held is not None:
+            self.wfile.write(body[:held])
+            self.wfile.flush()
+            self.hub._gate.wait(timeout=60)
+            body = body[held:]
         cut = self.hub.take_cut()
         if cut is None:
             self.wfile.write(body)

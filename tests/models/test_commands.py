@@ -164,3 +164,16 @@ def test_ps_shows_what_a_server_has_loaded(capsys: pytest.CaptureFixture[str]) -
     ]
     code, out, err = _run(capsys, "ps", "--url", "http://127.0.0.1:9")
     assert (code, out) == (2, "") and err.startswith("ferrum: error: cannot reach the server")
+
+
+def test_cp_and_pull_refuse_a_built_in_model_s_name(
+    hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = ["--models-dir", str(tmp_path / "m")]
+    assert _run(capsys, "pull", f"{LLAMA}:Q8_0", "--name", "tiny", *d)[0] == 0
+    for dest in ("gemma3-270m", "SmolLM2-135M-Instruct:latest"):
+        code, out, err = _run(capsys, "cp", "tiny", dest, *d)
+        assert (code, out) == (2, "") and f"{dest!r} is a built-in model's name" in err
+        code, _, err = _run(capsys, "pull", f"{LLAMA}:Q8_0", "--name", dest, *d)
+        assert code == 2 and f"{dest!r} is a built-in model's name" in err
+    assert [m.name for m in ModelStore(tmp_path / "m").list()] == ["tiny"]

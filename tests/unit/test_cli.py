@@ -32,6 +32,7 @@ def test_every_field_has_a_flag_of_its_type():
     assert (server.api_key, server.shutdown_grace) == (("a", "b", "c"), 2.5)
     models = _models(["-m", "a=x.gguf", "--model", "smollm2-135m-instruct", "--max-models", "2"])
     assert models.model == ("a=x.gguf", "smollm2-135m-instruct") and models.max_models == 2
+    assert _models(["--models-max-bytes", "50GiB"]).models_max_bytes == "50GiB"
     parsed = vars(make_parser().parse_args(["serve"]))
     for cls in (EngineConfig, ServerConfig, ModelsConfig):
         assert {f.name for f in dataclasses.fields(cls)} <= parsed.keys()
@@ -77,7 +78,7 @@ def test_a_bad_flag_value_is_refused_by_the_parser(capsys):
 @pytest.mark.parametrize(
     "argv",
     [["--keep-alive", "soon"], ["--max-models", "-1"], ["--memory-budget", "lots"],
-     ["--spec-recent", "-1"]],  # fmt: skip
+     ["--spec-recent", "-1"], ["--models-max-bytes", "lots"]],  # fmt: skip
 )
 def test_a_bad_models_flag_is_one_line_and_exit_2(capsys, tmp_path, argv):
     with pytest.raises(SystemExit) as exit_:

@@ -17,7 +17,9 @@ import ollama
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.api.auth import Keys
 from ferrum.models.gguf_file import read_gguf
+from ferrum.models.presets import Preset
 from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
@@ -334,10 +336,10 @@ def test_other_api_paths_are_ollama_shaped_404s(two):
     assert r.status_code == 404 and set(r.json()) == {"error"}
 
 
-def test_store_routes_are_refused_without_a_store(two):
-    client, _ = two
-    assert "store" in _refused(lambda: client.delete("alpha"))
-    assert "store" in _refused(lambda: client.copy("alpha", "gamma"))
+def test_store_routes_are_refused_without_a_store():
+    with served(models={"alpha": FakeRunner}, keys=Keys(open_admin=True)) as (client, _):
+        assert "store" in _refused(lambda: client.delete("alpha"))
+        assert "store" in _refused(lambda: client.copy("alpha", "gamma"))
 
 
 def test_a_format_that_is_no_schema_is_refused_before_any_stream():
@@ -430,7 +432,8 @@ def stored(tmp_path):
         ModelSpec("loose", lambda: str(path), f"file:{path}"),
     ]
     runners = defaultdict(lambda: FakeRunner, alpha=FakeRunner)  # and models added later
-    with served(models=runners, store=store, registry={"specs": specs}) as (client, http):
+    keys = Keys(open_admin=True)  # the store's routes need an admin
+    with served(models=runners, store=store, registry={"specs": specs}, keys=keys) as (client, _):
         yield client, store, path
 
 
@@ -480,6 +483,17 @@ def test_only_the_store_s_own_models_can_be_deleted_or_copied(stored):
     assert "not in the model store" in _refused(lambda: client.copy("loose", "x"))
 
 
+def test_a_copy_cannot_take_a_built_in_or_served_name(stored):
+    client, store, _ = stored
+    # a built-in (served here or not), a model outside the store, a --model file, any case
+    for dest in ("gemma3-270m", "smol", "alpha", "loose", "Loose:latest"):
+        error = _refused(lambda dest=dest: client.copy("tiny", dest))
+        assert f"{dest!r}" in error and "cannot be copied over" in error
+    assert [m.name for m in store.list()] == ["tiny"]
+    tags = {m.model: m for m in client.list().models}
+    assert tags["smol"].digest == tags["alpha"].digest == ""  # still not the store's
+
+
 # -- the store: pull ------------------------------------------------------------------------
 
 
@@ -487,8 +501,8 @@ def test_a_pull_streams_progress_then_serves_the_model(stored, monkeypatch):
     client, store, path = stored
     seen: dict = {}
 
-    def fake_pull(store_, ref, *, progress, name):  # the hub's part is tests/models' business
-        seen.update(ref=ref, name=name)
+    def fake_pull(store_, ref, *, progress, name, cancel, resume):  # the hub: tests/models
+        seen.update(ref=ref, name=name, resume=resume)
         progress(PullProgress("pulling manifest"))
         for done in (0, 512, 1024):
             progress(PullProgress("pulling model.gguf", done, 1024, "model.gguf"))
@@ -497,7 +511,7 @@ def test_a_pull_streams_progress_then_serves_the_model(stored, monkeypatch):
 
     monkeypatch.setattr("ferrum.api.ollama.models.pull", fake_pull)
     lines = [dict(p) for p in client.pull("hf.co/org/repo:Q8_0", stream=True)]
-    assert seen == {"ref": "hf.co/org/repo:Q8_0", "name": "hf.co/org/repo:Q8_0"}
+    assert seen == {"ref": "hf.co/org/repo:Q8_0", "name": "hf.co/org/repo:Q8_0", "resume": False}
     assert lines[0] == {
         "status": "pulling manifest",
         "completed": None,
@@ -545,6 +559,27 @@ def test_a_pull_of_a_name_the_hub_cannot_hold_is_refused_before_the_hub(stored, 
     store_too_long = f"hf.co/{'o' * 96}/{'r' * 96}:Q4_K_M"
     assert "too long" in _refused(lambda: client.pull(store_too_long))
     assert called == []
+
+
+def test_a_pull_cannot_take_a_built_in_or_served_name(tmp_path, monkeypatch):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    specs = [
+        ModelSpec("smol", lambda: "", "builtin:smol", preset=Preset(aliases=("org/smol",))),
+        ModelSpec("org/loose", lambda: str(path), f"file:{path}"),
+    ]
+    monkeypatch.setattr("ferrum.api.ollama.models.pull", _no_pull)
+    store = ModelStore(tmp_path / "store")
+    kw = {"registry": {"specs": specs}, "store": store, "keys": Keys(open_admin=True)}
+    with served(models={"smol": FakeRunner, "org/loose": FakeRunner}, **kw) as (client, http):
+        for name in ("org/smol", "org/loose", "ORG/LOOSE:latest"):
+            error = _refused(lambda name=name: client.pull(name))
+            assert f"{name!r}" in error and "cannot be pulled over" in error
+        assert store.list() == []
+        assert [s.source for s in http.app.state.ferrum.models.specs()][1] == f"file:{path}"
+
+
+def _no_pull(*args, **kwargs):
+    raise AssertionError("the pull should have been refused before it started")
 
 
 def test_a_pull_of_a_local_file_is_refused(stored):

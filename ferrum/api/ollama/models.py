@@ -6,10 +6,16 @@ Rules:
   file, or any model once loaded); what is unknown is an empty string or 0, never missing:
   clients read these fields without checking. Reading them touches files: a worker thread.
 - /api/pull stores and serves a model under the name the client pulled (Ollama's naming),
-  not `ferrum pull`'s "org/repo:QUANT", so that the client's next request finds it. A pull
-  runs on when its client hangs up, and "success" comes only once the model is served.
+  not `ferrum pull`'s "org/repo:QUANT", so that the client's next request finds it.
+  "success" comes only once the model is served. Pulls run on threads of their own
+  (`PullWorkers`: two at once, the rest wait), never on the default pool. A pull whose
+  client hangs up (streamed or not) is cancelled, and a pull that fails or is cancelled
+  leaves no part files (`pull.pull`'s `resume=False`).
 - Only the store's own models can be deleted or copied: not built-in models, nor files given
   to `--model`. A server without a store refuses all three.
+- A copy or pull never takes a built-in model's name, nor a name or alias the server serves
+  (a pull may update the store's own model of its name): `Registry.add` would swap the served
+  model for it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,9 +36,10 @@ from ferrum.api.auth import require_admin
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
-from ferrum.api.serving import ServerState
+from ferrum.api.serving import ServerState, unless_gone
 from ferrum.engine.batch import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
+from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.errors import InvalidModelFile, ModelNotFound
 from ferrum.models.gguf_file import read_gguf
 from ferrum.models.memory import model_files
@@ -237,6 +245,36 @@ async def _stored(
     return store, spec, manifest
 
 
+async def _refuse_taken(
+    state: ServerState, store: ModelStore, name: str, action: str, param: str
+) -> None:
+    """400 unless a copy or pull may store a model as `name`: not under a built-in's name,
+    nor under any name or alias the registry serves, which `Registry.add` would swap for the
+    new model (the models a server was started with are its operator's choice). The one
+    exception: a pull of the store's own model of that very name, an update."""
+    refuse_builtin_name(name, action, param)
+    spec = state.models.lookup(name)
+    if spec is None:
+        return
+    if action == "pulled over" and await asyncio.to_thread(_own_model, store, spec, name):
+        return
+    raise InvalidRequest(
+        f"{name!r} names the served model {spec.name!r}: it cannot be {action}; choose "
+        "another name",
+        param=param,
+    )
+
+
+def _own_model(store: ModelStore, spec: ModelSpec, name: str) -> bool:
+    """Whether `spec` serves the store's model named `name` (reads its manifest)."""
+    if spec.name.lower() != name.lower() or spec.source.startswith("builtin:"):
+        return False
+    try:
+        return store.get(name).source == spec.source
+    except ModelNotFound:
+        return False
+
+
 def _progress(p: PullProgress) -> dict[str, Any]:
     line: dict[str, Any] = {"status": p.status}
     if p.total:
@@ -256,8 +294,11 @@ async def _pull(
         if p.status != "success":
             loop.call_soon_threadsafe(lines.put_nowait, _progress(p))
 
+    def job(cancel: threading.Event) -> Manifest:
+        return pull(store, ref, progress=progress, name=ref, cancel=cancel, resume=False)
+
     try:
-        manifest = await asyncio.to_thread(pull, store, ref, progress=progress, name=ref)
+        manifest = await state.pulls.run(job)
         state.models.add(_served(manifest))
         lines.put_nowait({"status": "success"})
     except FerrumError as exc:
@@ -274,8 +315,8 @@ def add_store_routes(route: Route, state: ServerState) -> None:
 
     @route("POST", "/api/pull")
     async def pull_model(request: Request) -> Response:
-        """Streams the pull's progress. The pull runs on when its client hangs up (a download
-        cannot be cut half-way), and its model is served once it is complete."""
+        """Streams the pull's progress; its model is served once it is complete. A client
+        that hangs up cancels its pull."""
         require_admin(request, "pulling a model")
         body = await parse(request, PullBody)
         store = _store(state)
@@ -283,15 +324,17 @@ def add_store_routes(route: Route, state: ServerState) -> None:
             # A remote client must not make the server read (or probe) files on its disk.
             raise InvalidRequest("local files are added with `ferrum pull` only", param="model")
         check_name(body.ref)  # the name it is stored under: refused now, not after a download
+        await _refuse_taken(state, store, body.ref, "pulled over", "model")
         lines: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.ensure_future(_pull(state, store, body.ref, lines))
         pulls.add(task)
         task.add_done_callback(pulls.discard)
         if body.stream:
-            return StreamingResponse(_pull_lines(lines), media_type=NDJSON)
-        last: dict[str, Any] = {}
-        while (line := await lines.get()) is not None:
-            last = line
+            return StreamingResponse(_pull_lines(lines, task), media_type=NDJSON)
+        try:
+            last = await unless_gone(request, _last_line(lines), None)
+        finally:
+            task.cancel()  # the client hung up; nothing once the pull has ended
         if "error" in last:
             return JSONResponse({"error": last["error"]}, status_code=last["status_code"])
         return JSONResponse(last)
@@ -316,15 +359,30 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         require_admin(request, "copying a model")
         body = await parse(request, CopyBody)
         store, _, source = await _stored(state, body.source, "copied")
+        await _refuse_taken(state, store, body.destination, "copied over", "destination")
         manifest = await asyncio.to_thread(store.copy, source.name, body.destination)
         state.models.add(_served(manifest))
         return Response(status_code=200)
 
 
-async def _pull_lines(lines: asyncio.Queue[dict[str, Any] | None]) -> AsyncIterator[str]:
+async def _pull_lines(
+    lines: asyncio.Queue[dict[str, Any] | None], pulling: asyncio.Task[None]
+) -> AsyncIterator[str]:
+    """The pull's lines; Starlette ends this generator when the client hangs up, which
+    cancels the pull (in `finally`)."""
+    try:
+        while (line := await lines.get()) is not None:
+            line.pop("status_code", None)
+            yield ndjson_line(line)
+    finally:
+        pulling.cancel()
+
+
+async def _last_line(lines: asyncio.Queue[dict[str, Any] | None]) -> dict[str, Any]:
+    last: dict[str, Any] = {}
     while (line := await lines.get()) is not None:
-        line.pop("status_code", None)
-        yield ndjson_line(line)
+        last = line
+    return last
 
 
 def _context(model: Loaded) -> int:
