@@ -69,7 +69,9 @@ def served(runner: FakeRunner | None = None, **kw) -> Iterator[tuple[ollama.Clie
 
 @pytest.fixture
 def two():
-    with served(models={"alpha": FakeRunner, "beta": FakeRunner}) as pair:
+    # Ollama's load and unload idioms set keep_alive for everyone: an admin's right.
+    models = {"alpha": FakeRunner, "beta": FakeRunner}
+    with served(models=models, keys=Keys(open_admin=True)) as pair:
         yield pair
 
 
