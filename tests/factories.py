@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ferrum.engine.batch import BatchItem, ModelInfo, StepResult, TokenLogprobs
+from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.request import SamplingParams
 from ferrum.engine.vocab import LlamaVocab

@@ -37,7 +37,7 @@ from ferrum.api.serving import (
     unless_gone,
     utf8_length,
 )
-from ferrum.engine.batch import Vocabulary
+from ferrum.engine.contracts import Vocabulary
 from ferrum.errors import InvalidRequest
 from ferrum.models.registry import Lease
 

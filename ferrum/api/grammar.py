@@ -34,7 +34,7 @@ from ferrum.api.protocol import ResponseFormat
 from ferrum.api.schema_limits import check_limits, walk
 from ferrum.api.tool_calls import ToolFormat
 from ferrum.api.tool_request import Function, ToolRequest
-from ferrum.engine.batch import Vocabulary
+from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
 

@@ -17,7 +17,7 @@ from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.grammar import GrammarBuilder
 from ferrum.api.preparation import Preparer
 from ferrum.engine.async_engine import AsyncEngine
-from ferrum.engine.batch import ModelInfo, Vocabulary
+from ferrum.engine.contracts import ModelInfo, Vocabulary
 from ferrum.metrics import Metrics
 
 

@@ -28,7 +28,7 @@ from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
 from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
-from ferrum.engine.batch import Vocabulary
+from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
 from ferrum.models.pull_workers import PullWorkers

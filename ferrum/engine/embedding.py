@@ -43,7 +43,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ferrum.engine.batch import Vocabulary
+from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.turns import DecodeCost, Party, Turns
 from ferrum.errors import (
     EngineError,

@@ -2,7 +2,7 @@
 
 It owns the scheduler (and through it the KV ledger), the runner and each request's text
 pipeline. It is single-threaded by design: `AsyncEngine` runs it on one thread and is the only
-caller. The runner is any `Runner` (batch.py): llama.cpp's, or the tests' fake.
+caller. The runner is any `Runner` (contracts.py): llama.cpp's, or the tests' fake.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrum.engine.batch import BatchItem, ModelInfo, Runner, TokenLogprobs
+from ferrum.engine.contracts import BatchItem, ModelInfo, Runner, TokenLogprobs
 from ferrum.engine.kv import BlockManager, IntegrityError
 from ferrum.engine.kv_manager import KVManager
 from ferrum.engine.logprobs import LogprobTracker

@@ -56,7 +56,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from ferrum.engine.batch import KvOps
+from ferrum.engine.contracts import KvOps
 from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
 from ferrum.engine.prefix import Parked, ParkedLRU, PrefixIndex
 from ferrum.engine.request import Request

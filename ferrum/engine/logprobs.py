@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ferrum.engine.batch import TokenLogprobs
+from ferrum.engine.contracts import TokenLogprobs
 from ferrum.engine.outputs import LogprobEntry
 
 

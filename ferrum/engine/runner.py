@@ -27,8 +27,8 @@ from typing import Any
 import llama_cpp as ll
 
 from ferrum.config import EngineConfig
-from ferrum.engine.batch import BatchItem, ModelInfo, StepResult
 from ferrum.engine.compute import compute
+from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.request import SamplingParams
 from ferrum.engine.sampler import Sampler
 from ferrum.engine.vocab import LlamaVocab

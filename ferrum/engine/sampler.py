@@ -27,7 +27,7 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
-from ferrum.engine.batch import TokenLogprobs
+from ferrum.engine.contracts import TokenLogprobs
 from ferrum.engine.request import SamplingParams
 from ferrum.engine.vocab import LlamaVocab
 

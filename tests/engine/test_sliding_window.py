@@ -13,7 +13,7 @@ import random
 
 import llama_cpp as ll
 
-from ferrum.engine.batch import BatchItem
+from ferrum.engine.contracts import BatchItem
 from ferrum.engine.engine import LLMEngine
 from tests.factories import llama_engine, run_to_completion, sampling
 from tests.tiny_models import BOS_ID

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrum.engine.batch import TokenLogprobs
+from ferrum.engine.contracts import TokenLogprobs
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.text import TextPipeline
 from tests.factories import fake_app, fake_engine, run_to_completion, sampling

@@ -37,7 +37,7 @@ from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
 from ferrum.api.serving import ServerState, unless_gone
-from ferrum.engine.batch import ModelInfo
+from ferrum.engine.contracts import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
 from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.errors import InvalidModelFile, ModelNotFound
