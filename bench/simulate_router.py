@@ -32,7 +32,7 @@ from ferrum.cluster.policy import (
     TextPrefixAffinity,
     power_of_two,
 )
-from ferrum.engine.prefix import block_hashes
+from ferrum.engine.kv.prefix import block_hashes
 
 BLOCK = 16
 PREFILL_TOK_S = 4000.0  # one replica's prefill speed (a GPU-class replica)

@@ -35,7 +35,7 @@ from ferrum.api.responses_api.bodies import ResponsesRequest, chat_request, inpu
 from ferrum.api.serving import chat_prompt
 from ferrum.api.tool_request import ToolRequest
 from ferrum.cluster.policy import RouteKey
-from ferrum.engine.prefix import block_hashes
+from ferrum.engine.kv.prefix import block_hashes
 from ferrum.engine.vocab import VocabularyFile
 from ferrum.models.registry import ModelSpec, Registry
 

@@ -2,7 +2,7 @@
 tested alone and simulated with any number of replicas (`bench/simulate_router.py`).
 
 - `PrefixAffinity`, ferrum's: each replica publishes the chained hashes of the prefix blocks
-  its engine holds (`ferrum.engine.prefix.ResidentPrefixes`); the ingress hashes the request's
+  its engine holds (`ferrum.engine.kv.prefix.ResidentPrefixes`); the ingress hashes the request's
   prompt tokens the same way (`RouteKey.hashes`). The request goes to the replica holding the
   longest run of its blocks, unless that replica has `imbalance` or more requests in flight
   beyond the least loaded's, then to the less loaded of two drawn at random (power of two choices).

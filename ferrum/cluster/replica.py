@@ -38,7 +38,7 @@ from ferrum.cluster.board import board_name
 from ferrum.cluster.policy import RouteKey, encode_hashes
 from ferrum.cluster.routers import PREFIX_KEY
 from ferrum.cluster.settings import ClusterSettings
-from ferrum.engine.tiers import DEFAULT_CACHE_DIR
+from ferrum.engine.kv.tiers import DEFAULT_CACHE_DIR
 from ferrum.server import build_server
 
 log = logging.getLogger("ferrum.cluster")

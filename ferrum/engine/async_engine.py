@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from ferrum.engine.compute import compute
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.kv.prefix import ResidentPrefixes
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.request import FinishReason, SamplingParams
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests

@@ -13,16 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ferrum.engine.contracts import BatchItem, ModelInfo, Runner, TokenLogprobs
-from ferrum.engine.kv import BlockManager, IntegrityError
-from ferrum.engine.kv_manager import KVManager
+from ferrum.engine.kv.ledger import BlockManager, IntegrityError
+from ferrum.engine.kv.prefix import ResidentPrefixes
+from ferrum.engine.kv.residency import KVManager
+from ferrum.engine.kv.tiers import TierConfig, TierStats
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
-from ferrum.engine.prefix import ResidentPrefixes
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
-from ferrum.engine.tiers import TierConfig, TierStats
 from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 
 log = logging.getLogger("ferrum.engine")

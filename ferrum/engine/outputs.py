@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.request import FinishReason
-from ferrum.engine.tiers import TierStats
 from ferrum.errors import EngineError
 
 

@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ferrum.engine.kv import PageTable
+from ferrum.engine.kv.ledger import PageTable
 
 
 class FinishReason(enum.StrEnum):

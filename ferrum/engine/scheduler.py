@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ferrum.engine.fairness import FairShare
-from ferrum.engine.kv import IntegrityError
-from ferrum.engine.kv_manager import KVManager
+from ferrum.engine.kv.ledger import IntegrityError
+from ferrum.engine.kv.residency import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
 from ferrum.engine.speculation import Speculator
 

@@ -17,8 +17,8 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.tiers import TierConfig
 from tests.factories import run_to_completion, sampling
 from tests.unit.test_tiers import AlwaysRestore
 

@@ -20,7 +20,7 @@ from ferrum.cluster.policy import (
     power_of_two,
 )
 from ferrum.engine.async_engine import AsyncEngine
-from ferrum.engine.prefix import Parked, PrefixIndex, block_hashes
+from ferrum.engine.kv.prefix import Parked, PrefixIndex, block_hashes
 from ferrum.errors import ServiceUnavailable
 from tests.factories import FakeRunner, byte_tokenize, fake_engine, sampling
 

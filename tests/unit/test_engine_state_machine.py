@@ -34,9 +34,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.speculation import SpecConfig
-from ferrum.engine.tiers import TierConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
 

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ferrum.engine.kv import BlockManager, IntegrityError, PageTable, SeqIdPool, blocks_for
+from ferrum.engine.kv.ledger import BlockManager, IntegrityError, PageTable, SeqIdPool, blocks_for
 
 
 def test_blocks_for_rounds_up():
@@ -83,7 +83,7 @@ def test_seq_id_pool_one_owner_each():
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random grow / fork / copy-on-write / release: rules 1-3 of kv.py always hold."""
+    """Random grow / fork / copy-on-write / release: rules 1-3 of kv/ledger.py always hold."""
 
     def __init__(self) -> None:
         super().__init__()

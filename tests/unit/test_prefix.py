@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrum.engine.prefix import Parked, PrefixIndex, block_hashes
+from ferrum.engine.kv.prefix import Parked, PrefixIndex, block_hashes
 from tests.factories import (
     FakeRunner,
     byte_tokenize,
@@ -263,7 +263,7 @@ def test_the_ledger_check_refuses_a_block_shared_across_scopes():
     scoped index, the next idle check says so."""
     import pytest
 
-    from ferrum.engine.kv import IntegrityError
+    from ferrum.engine.kv.ledger import IntegrityError
 
     engine = fake_engine()
     _scoped(engine, {"a": ("key:a", SYSTEM)})

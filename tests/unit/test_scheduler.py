@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ferrum.engine.kv import BlockManager
-from ferrum.engine.kv_manager import KVManager
+from ferrum.engine.kv.ledger import BlockManager
+from ferrum.engine.kv.residency import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
 from ferrum.engine.scheduler import Scheduler
 from tests.factories import sampling

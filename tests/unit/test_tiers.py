@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.prefix import PrefixIndex
-from ferrum.engine.tiers import Costs, Saved, SavedStates, Tier, TierConfig
-from ferrum.engine.tiers import files as tier_files
+from ferrum.engine.kv.prefix import PrefixIndex
+from ferrum.engine.kv.tiers import Costs, Saved, SavedStates, Tier, TierConfig
+from ferrum.engine.kv.tiers import files as tier_files
 from tests.factories import FakeRunner, byte_tokenize, model_info, run_to_completion, sampling
 
 FP = "model-a"

@@ -57,10 +57,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ferrum.engine.contracts import KvOps
-from ferrum.engine.kv import BlockManager, IntegrityError, SeqIdPool, blocks_for
-from ferrum.engine.prefix import Parked, ParkedLRU, PrefixIndex
+from ferrum.engine.kv.ledger import BlockManager, IntegrityError, SeqIdPool, blocks_for
+from ferrum.engine.kv.prefix import Parked, ParkedLRU, PrefixIndex
+from ferrum.engine.kv.tiers import Saved, SavedStates, Tier, TierConfig
 from ferrum.engine.request import Request
-from ferrum.engine.tiers import Saved, SavedStates, Tier, TierConfig
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ferrum.engine.kv import PageTable
+from ferrum.engine.kv.ledger import PageTable
 from ferrum.engine.request import Request
 
 

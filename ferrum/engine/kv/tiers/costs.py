@@ -3,7 +3,7 @@ constant."""
 
 from __future__ import annotations
 
-from ferrum.engine.tiers.entries import Saved, Tier
+from ferrum.engine.kv.tiers.entries import Saved, Tier
 
 
 class Costs:

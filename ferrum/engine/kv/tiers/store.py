@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from ferrum.engine.prefix import PrefixIndex
-from ferrum.engine.tiers import files
-from ferrum.engine.tiers.costs import Costs
-from ferrum.engine.tiers.entries import Saved, Tier, TierConfig, TierCounts, TierStats, state_key
+from ferrum.engine.kv.prefix import PrefixIndex
+from ferrum.engine.kv.tiers import files
+from ferrum.engine.kv.tiers.costs import Costs
+from ferrum.engine.kv.tiers.entries import Saved, Tier, TierConfig, TierCounts, TierStats, state_key
 
 log = logging.getLogger("ferrum.tiers")
 

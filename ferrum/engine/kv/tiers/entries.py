@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ferrum.engine.tiers.files import EntryHeader, token_bytes
+from ferrum.engine.kv.tiers.files import EntryHeader, token_bytes
 
 
 class Tier(enum.StrEnum):

@@ -1,7 +1,7 @@
 """Saved prefixes: sequences evicted from the KV pool, kept as llama.cpp state in host RAM and
 on disk, indexed in the same prefix index as resident ones, restored when that beats prefill.
 
-    KV pool      running + parked sequences         cells in llama.cpp (kv_manager.py)
+    KV pool      running + parked sequences         cells in llama.cpp (kv/residency.py)
       │ a parked sequence is evicted: its state is read out (llama_state_seq_get_data)
       ▼
     RAM tier     --cache-ram MiB, least recently used out        Saved.data
@@ -22,8 +22,8 @@ Whether to restore is decided by `Costs`: measured prefill speed (tokens/s) agai
 restore speed (bytes/s, per tier), never a constant; until either is measured, restore.
 """
 
-from ferrum.engine.tiers.costs import Costs
-from ferrum.engine.tiers.entries import (
+from ferrum.engine.kv.tiers.costs import Costs
+from ferrum.engine.kv.tiers.entries import (
     DEFAULT_CACHE_DIR,
     Saved,
     Tier,
@@ -32,7 +32,7 @@ from ferrum.engine.tiers.entries import (
     TierStats,
     file_fingerprint,
 )
-from ferrum.engine.tiers.store import SavedStates
+from ferrum.engine.kv.tiers.store import SavedStates
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
