@@ -32,7 +32,7 @@ from ferrum.engine.engine import LLMEngine  # noqa: E402
 from ferrum.engine.outputs import EngineObserver, StepStats  # noqa: E402
 from ferrum.engine.request import SamplingParams  # noqa: E402
 from ferrum.engine.runner import LlamaRunner  # noqa: E402
-from ferrum.engine.speculation import SpecConfig  # noqa: E402
+from ferrum.engine.speculation.speculator import SpecConfig  # noqa: E402
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path  # noqa: E402
 
 INSTRUCTIONS = [

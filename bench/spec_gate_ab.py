@@ -16,9 +16,10 @@ Cells (`--cells`):
 Reported: the time from the first output token to the last (prefill is the same for every
 arm), as ratios of speculation off to each arm, per round and over all.
 
-The earlier gate (`--base REV`) is the file ferrum/engine/speculation.py at that commit,
-loaded beside the tree's; it must still fit the tree's engine (its Speculator is driven by
-`plan` where it has one, else by `draft` one request at a time).
+The earlier gate (`--base REV`) is the file ferrum/engine/speculation/speculator.py (before
+issue #38's rooms, ferrum/engine/speculation.py) at that commit, loaded beside the tree's; it
+must still fit the tree's engine (its Speculator is driven by `plan` where it has one, else by
+`draft` one request at a time).
 
     .venv/bin/python bench/spec_gate_ab.py --base 2f219d4 [--rounds 2] [--cells stories,copy]
 """
@@ -42,10 +43,10 @@ from bench_speculation import _chat, _prompt  # noqa: E402
 
 from ferrum.config import EngineConfig  # noqa: E402
 from ferrum.engine.engine import LLMEngine  # noqa: E402
-from ferrum.engine.ngram import RecentSequences  # noqa: E402
 from ferrum.engine.request import SamplingParams  # noqa: E402
 from ferrum.engine.runner import LlamaRunner  # noqa: E402
-from ferrum.engine.speculation import SpecConfig  # noqa: E402
+from ferrum.engine.speculation.ngram import RecentSequences  # noqa: E402
+from ferrum.engine.speculation.speculator import SpecConfig  # noqa: E402
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path  # noqa: E402
 
 ADJECTIVES = ["an old", "a small", "a red", "a forgotten", "a brave", "a tired", "a golden",
@@ -57,8 +58,13 @@ MAX_TOKENS = 200
 
 
 def _load_base(rev: str) -> ModuleType:
-    source = subprocess.run(["git", "show", f"{rev}:ferrum/engine/speculation.py"],
-                            check=True, capture_output=True, text=True).stdout  # fmt: skip
+    for name in ("speculation/speculator.py", "speculation.py"):  # the file moved (issue #38)
+        shown = subprocess.run(["git", "show", f"{rev}:ferrum/engine/{name}"],
+                               capture_output=True, text=True)  # fmt: skip
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "base_speculation.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("base_speculation", path)

@@ -24,7 +24,7 @@ from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.speculation import SpecConfig
+from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
 from ferrum.models.catalog import serve_specs

@@ -26,7 +26,7 @@ class BatchItem:
     """Tokens of one sequence for one step; `sample_for` names the request whose sampler
     picks a token from the last position's logits (None: no token is sampled).
 
-    With a draft, the last `draft` tokens are guesses (`speculation.py`): the sampler picks
+    With a draft, the last `draft` tokens are guesses (`speculation/`): the sampler picks
     at the last real token and at each guess in order while its pick equals the next guess;
     the positions of guesses it did not take are removed from the sequence."""
 

@@ -21,7 +21,7 @@ from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
 from ferrum.engine.request import FinishReason, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from ferrum.engine.speculation import Drafter, SpecConfig, Speculator
+from ferrum.engine.speculation.speculator import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
 from ferrum.errors import ContextLengthExceeded, EngineError, InvalidRequest
 

@@ -16,7 +16,7 @@ request is preempted: its blocks and sequence id are released and it returns to 
 queue, to be recomputed later with its output kept. The oldest request therefore always
 progresses, and nothing is ever asked of llama.cpp that the ledger has not granted.
 
-Speculation (`speculation.py`): a decode may carry a draft after its token, within the step's
+Speculation (`speculation/`): a decode may carry a draft after its token, within the step's
 budget and `batch_max`, on blocks that are free without evicting anything; the engine moves
 progress past the draft tokens the runner accepted (`computed`).
 
@@ -40,7 +40,7 @@ from ferrum.engine.fairness import FairShare
 from ferrum.engine.kv.ledger import IntegrityError
 from ferrum.engine.kv.residency import KVManager
 from ferrum.engine.request import FinishReason, Request, RequestStatus
-from ferrum.engine.speculation import Speculator
+from ferrum.engine.speculation.speculator import Speculator
 
 
 @dataclass(slots=True)

@@ -17,10 +17,10 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.ngram import NgramDrafter
 from ferrum.engine.runner import LlamaRunner
-from ferrum.engine.spec_pricing import StepCosts
-from ferrum.engine.speculation import SpecConfig
+from ferrum.engine.speculation.ngram import NgramDrafter
+from ferrum.engine.speculation.pricing import StepCosts
+from ferrum.engine.speculation.speculator import SpecConfig
 from tests.factories import run_to_completion, sampling
 
 PROMPTS = [

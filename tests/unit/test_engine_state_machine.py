@@ -36,7 +36,7 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.speculation import SpecConfig
+from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
 

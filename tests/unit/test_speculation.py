@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import pytest
 
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.spec_pricing import KeepRates, StepCosts
-from ferrum.engine.speculation import DraftState, SpecConfig, Speculator
+from ferrum.engine.speculation.ngram import NgramDrafter, RecentSequences
+from ferrum.engine.speculation.pricing import KeepRates, StepCosts
+from ferrum.engine.speculation.speculator import DraftState, SpecConfig, Speculator
 from tests.factories import (
     EOS,
     FakeRunner,

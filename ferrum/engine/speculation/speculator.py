@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ferrum.config import EngineConfig
-from ferrum.engine.ngram import NgramDrafter, RecentSequences
 from ferrum.engine.request import Request
-from ferrum.engine.spec_pricing import KeepRates, StepCosts
+from ferrum.engine.speculation.ngram import NgramDrafter, RecentSequences
+from ferrum.engine.speculation.pricing import KeepRates, StepCosts
 
 _FAILS_BEFORE_PAUSE = 4  # drafts in a row with nothing accepted
 _PAUSE_TOKENS = 32  # tokens generated after that following long matches only

@@ -1,6 +1,6 @@
 """N-gram drafters: what followed the latest earlier occurrence of a sequence's last tokens,
 in its own tokens (`NgramDrafter`) or in the model's latest finished requests
-(`RecentSequences`). `speculation.py` decides when and how many of their guesses go in."""
+(`RecentSequences`). `speculator.py` decides when and how many of their guesses go in."""
 
 from __future__ import annotations
 

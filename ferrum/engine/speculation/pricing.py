@@ -1,4 +1,4 @@
-"""What a guessed token costs and how likely it is kept: the two sides `speculation.py`
+"""What a guessed token costs and how likely it is kept: the two sides `speculator.py`
 weighs before a draft goes into a step.
 
 `StepCosts` prices a decode by its number of positions, from the decodes timed so far;
