@@ -43,8 +43,8 @@ from bench_speculation import _chat, _prompt  # noqa: E402
 
 from ferrum.config import EngineConfig  # noqa: E402
 from ferrum.engine.engine import LLMEngine  # noqa: E402
+from ferrum.engine.llama.runner import LlamaRunner  # noqa: E402
 from ferrum.engine.request import SamplingParams  # noqa: E402
-from ferrum.engine.runner import LlamaRunner  # noqa: E402
 from ferrum.engine.speculation.ngram import RecentSequences  # noqa: E402
 from ferrum.engine.speculation.speculator import SpecConfig  # noqa: E402
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path  # noqa: E402

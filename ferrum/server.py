@@ -20,10 +20,10 @@ from ferrum.api.preparation import Preparer
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.embedding import EmbeddingEngine
-from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.embedding_runner import EmbeddingRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError

@@ -19,8 +19,8 @@ from typing import Any
 
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
-from ferrum.engine.vocab import LlamaVocab
 
 BOS = 256
 EOS = 257
@@ -270,7 +270,7 @@ def llama_engine(
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp, closed afterwards."""
     from ferrum.config import EngineConfig
-    from ferrum.engine.runner import LlamaRunner
+    from ferrum.engine.llama.runner import LlamaRunner
 
     cfg = EngineConfig(
         ctx_size=ctx,

@@ -38,8 +38,8 @@ def ferrum_decode_tps(
 ) -> dict[int, float]:
     from ferrum.config import EngineConfig
     from ferrum.engine.engine import LLMEngine
+    from ferrum.engine.llama.runner import LlamaRunner
     from ferrum.engine.request import SamplingParams
-    from ferrum.engine.runner import LlamaRunner
 
     cfg = EngineConfig(
         ctx_size=ctx,
@@ -156,7 +156,7 @@ def eog_token_ids(model: str) -> tuple[int, ...]:
 
 def _print_eog(model: str) -> None:
     from ferrum.config import EngineConfig
-    from ferrum.engine.runner import LlamaRunner
+    from ferrum.engine.llama.runner import LlamaRunner
 
     runner = LlamaRunner(EngineConfig(ctx_size=256, parallel=1, threads=1), model)
     try:

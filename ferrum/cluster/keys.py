@@ -36,7 +36,7 @@ from ferrum.api.serving import chat_prompt
 from ferrum.api.tool_request import ToolRequest
 from ferrum.cluster.policy import RouteKey
 from ferrum.engine.kv.prefix import block_hashes
-from ferrum.engine.vocab import VocabularyFile
+from ferrum.engine.llama.vocab import VocabularyFile
 from ferrum.models.registry import ModelSpec, Registry
 
 Body = ChatCompletionRequest | CompletionRequest

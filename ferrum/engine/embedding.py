@@ -1,6 +1,6 @@
 """Embeddings: the engine that batches the inputs of many requests into shared decodes.
 
-`EmbeddingEngine` runs a `BatchEmbedder` (llama.cpp's is `embedding_runner.EmbeddingRunner`)
+`EmbeddingEngine` runs a `BatchEmbedder` (llama.cpp's is `llama.embedding_runner.EmbeddingRunner`)
 on a thread of its own, the runner's sole owner while it runs. asyncio code awaits `embed()`;
 the request goes through a thread-safe queue, and its answer comes back through
 `call_soon_threadsafe`, once per decode for every request that decode completed.

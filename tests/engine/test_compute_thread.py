@@ -12,9 +12,9 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.compute import ComputeThread
-from ferrum.engine.embedding_runner import EmbeddingRunner
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.embedding_runner import EmbeddingRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from tests.factories import run_to_completion, sampling
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferrum.engine.embedding import POOLINGS, EmbeddingEngine, EmbeddingInfo
-from ferrum.engine.embedding_runner import _POOLING_TYPES, EmbeddingRunner
+from ferrum.engine.llama.embedding_runner import _POOLING_TYPES, EmbeddingRunner
 from ferrum.errors import EngineError, InvalidRequest, ModelLoadError, TooManyRequests
 from tests import embedding_model
 from tests.embedding_model import reference_embeddings, write_minilm_gguf

@@ -22,7 +22,7 @@ import llama_cpp as ll
 import numpy as np
 import pytest
 
-from ferrum.engine.vocab import LlamaVocab
+from ferrum.engine.llama.vocab import LlamaVocab
 from tests.embedding_model import reference_embeddings, reference_token_ids, write_minilm_gguf
 
 LONG = (

@@ -16,7 +16,7 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from tests.factories import sampling
 
 # First-token log-probabilities of this scenario's B against a fresh prefill's, measured over

@@ -17,7 +17,7 @@ from hypothesis.stateful import invariant
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from tests.factories import run_to_completion, sampling
 from tests.tiny_models import BOS_ID
 from tests.unit.test_engine_state_machine import EngineMachine

@@ -17,7 +17,7 @@ import pytest
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.speculation.ngram import NgramDrafter
 from ferrum.engine.speculation.pricing import StepCosts
 from ferrum.engine.speculation.speculator import SpecConfig

@@ -18,7 +18,7 @@ import pytest
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
-from ferrum.engine.runner import LlamaRunner
+from ferrum.engine.llama.runner import LlamaRunner
 from tests.factories import run_to_completion, sampling
 from tests.unit.test_tiers import AlwaysRestore
 

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 import pytest
 
 from ferrum.config import EngineConfig
-from ferrum.engine import runner as runner_module
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.llama import runner as runner_module
+from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.outputs import StepStats
-from ferrum.engine.runner import LlamaRunner
 from ferrum.errors import ModelLoadError
 from ferrum.metrics import Metrics
 from tests.factories import run_to_completion, sampling

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrum.engine.vocab import VocabularyFile
+from ferrum.engine.llama.vocab import VocabularyFile
 from ferrum.models.builtin import BUILTINS, builtin_path
 
 TEXTS = [

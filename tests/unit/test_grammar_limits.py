@@ -17,13 +17,13 @@ from fastapi.testclient import TestClient
 from ferrum.api.grammar import GrammarBuilder
 from ferrum.api.protocol import ResponseFormat
 from ferrum.api.schema_limits import MAX_ALTERNATIVES, MAX_DEPTH, MAX_REPEAT
-from ferrum.engine.lru import SizedLRU
-from ferrum.engine.vocab import (
+from ferrum.engine.llama.vocab import (
     MAX_BUILD_SECONDS,
     MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_NESTING,
     LlamaVocab,
 )
+from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
 from tests.factories import FakeVocab, fake_app
 from tests.tiny_models import write_tiny_llama

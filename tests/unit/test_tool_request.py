@@ -17,7 +17,7 @@ from ferrum.api.grammar import GrammarBuilder
 from ferrum.api.protocol import ChatCompletionRequest, invalid_request
 from ferrum.api.tool_calls import FORMATS, ToolFormat
 from ferrum.api.tool_request import ToolRequest
-from ferrum.engine.vocab import LlamaVocab
+from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.errors import InvalidRequest
 from tests.tiny_models import EOS_ID, write_tiny_llama
 

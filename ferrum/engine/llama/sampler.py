@@ -28,8 +28,8 @@ import llama_cpp as ll
 import numpy as np
 
 from ferrum.engine.contracts import TokenLogprobs
+from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
-from ferrum.engine.vocab import LlamaVocab
 
 _PENALTY_LAST_N = 64
 _BAN_BIAS = -100.0  # OpenAI's convention: a bias of -100 bans the token

@@ -1,5 +1,5 @@
-"""llama.cpp's embeddings context: with `runner.py`, `sampler.py` and `vocab.py`, the only
-modules importing `llama_cpp`.
+"""llama.cpp's embeddings context; this package (`engine/llama/`) is the only one importing
+`llama_cpp`.
 
 `EmbeddingRunner` owns a model (and through it the vocabulary, `vocab.py`), one context with
 embeddings on and one reusable `llama_batch`, and frees every C handle through `close()`
@@ -35,8 +35,8 @@ import numpy as np
 
 from ferrum.engine.compute import compute
 from ferrum.engine.embedding import POOLINGS, EmbeddingInfo, Vector
-from ferrum.engine.runner import route_llama_logs
-from ferrum.engine.vocab import LlamaVocab
+from ferrum.engine.llama.runner import route_llama_logs
+from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.errors import EngineError, ModelLoadError
 
 _POOLING_TYPES = {

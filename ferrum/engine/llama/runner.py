@@ -1,4 +1,4 @@
-"""The llama.cpp runner: with `sampler.py` and `vocab.py`, the only modules importing `llama_cpp`.
+"""The llama.cpp runner; this package (`engine/llama/`) is the only one importing `llama_cpp`.
 
 It owns the model (and through it the vocabulary, `vocab.py`), the context, one reusable
 `llama_batch` and each running request's sampler (by request id), and frees every C handle
@@ -29,9 +29,9 @@ import llama_cpp as ll
 from ferrum.config import EngineConfig
 from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
+from ferrum.engine.llama.sampler import Sampler
+from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
-from ferrum.engine.sampler import Sampler
-from ferrum.engine.vocab import LlamaVocab
 from ferrum.errors import ModelLoadError
 
 log = logging.getLogger("ferrum.llama")
