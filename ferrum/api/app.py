@@ -4,7 +4,7 @@ Anthropic dialects.
 Every route also answers without its `/v1` prefix. Every error, including FastAPI's own
 validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status, except on
 the Anthropic Messages paths, where it takes Anthropic's shape, and on Ollama's /api paths,
-where it takes Ollama's (`error_response` decides, for the gate's errors too).
+where it takes Ollama's (`dialects.dialect_for` decides, for the gate's errors too).
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
-from ferrum.api.anthropic import error_response as anthropic_error
+from ferrum.api.anthropic import add_anthropic_routes
 from ferrum.api.auth import Keys, caller_of, remember
 from ferrum.api.body_text import SurrogateCheck
+from ferrum.api.dialects import error_response
 from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.loaded import Loaded, ServedModel
-from ferrum.api.ollama import add_ollama_routes, speaks_ollama
-from ferrum.api.ollama import error_response as ollama_error
+from ferrum.api.ollama import add_ollama_routes
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,8 +57,6 @@ from ferrum.errors import (
     FerrumError,
     InvalidRequest,
     NotFound,
-    RequestTooLarge,
-    TooManyRequests,
 )
 from ferrum.metrics import CONTENT_TYPE
 from ferrum.models.errors import ModelNotFound
@@ -69,7 +66,7 @@ log = logging.getLogger("ferrum.api")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
-__all__ = ["ServerState", "create_app"]
+__all__ = ["ServerState", "create_app", "error_response"]
 
 
 class ErrorDetail(BaseModel):
@@ -91,23 +88,6 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorBody, "description": "OpenAI-shaped client error"},
     "5XX": {"model": ErrorBody, "description": "OpenAI-shaped server error"},
 }
-
-
-def error_response(exc: FerrumError, path: str) -> JSONResponse:
-    """An error in the shape of the API its path belongs to (Anthropic's, Ollama's or
-    OpenAI's)."""
-    if speaks_anthropic(path):
-        response = anthropic_error(exc)
-    elif speaks_ollama(path):
-        response = ollama_error(exc)
-    else:
-        headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
-        response = JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
-    if isinstance(exc, RequestTooLarge):
-        # The body's unread rest is still coming: closing the connection stops it, where
-        # keep-alive would make the server read it all to find the next request.
-        response.headers["connection"] = "close"
-    return response
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -24,8 +24,9 @@ from fastapi.responses import StreamingResponse
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.loaded import Loaded, ServedModel
+from ferrum.api.openai.dialect import OPENAI
 from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
+from ferrum.api.responses import CompletionKind, collect, stream_sse
 from ferrum.api.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import Vocabulary
@@ -340,7 +341,8 @@ async def guard_stream(
                 return
             except TimeoutError:
                 err = RequestTimeout(f"the request took longer than {deadline:g} s")
-                ending = on_timeout(err) if on_timeout else [error_event(err), "data: [DONE]\n\n"]
+                done = [OPENAI.stream_error(err), "data: [DONE]\n\n"]
+                ending = on_timeout(err) if on_timeout else done
                 for line in ending:
                     yield line
                 return

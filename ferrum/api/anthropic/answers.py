@@ -42,7 +42,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from ferrum.api.anthropic.errors import error_body
+from ferrum.api.anthropic.dialect import ANTHROPIC
 from ferrum.api.generation import Delta, Event, Finish, gathered
 from ferrum.api.serving import Prepared
 from ferrum.api.tool_calls import ToolCall
@@ -55,10 +55,6 @@ __all__ = ["MessageAnswer"]
 def _event(kind: str, data: dict[str, Any]) -> str:
     body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {kind}\ndata: {body}\n\n"
-
-
-def _error_event(err: FerrumError) -> str:
-    return _event("error", {"error": error_body(err)["error"]})
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -200,7 +196,7 @@ class MessageAnswer:
                 for line in lines:
                     yield line
         except FerrumError as exc:
-            yield _error_event(exc)
+            yield ANTHROPIC.stream_error(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
         total, finish = await gathered(events)
@@ -218,4 +214,4 @@ class MessageAnswer:
         return content + [_tool_use(c) for c in total.calls]
 
     def timeout_lines(self, err: RequestTimeout) -> list[str]:
-        return [_error_event(err)]
+        return [ANTHROPIC.stream_error(err)]
