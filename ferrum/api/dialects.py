@@ -10,7 +10,7 @@ from ferrum.api.anthropic.dialect import ANTHROPIC
 from ferrum.api.dialect import Dialect, Translate
 from ferrum.api.ollama.dialect import OLLAMA
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.responses_api.dialect import RESPONSES
+from ferrum.api.responses.dialect import RESPONSES
 from ferrum.errors import FerrumError
 
 __all__ = ["DIALECTS", "dialect_for", "error_response", "translation"]

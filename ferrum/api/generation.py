@@ -20,8 +20,9 @@ from fastapi.responses import Response
 
 from ferrum.api.auth import caller_of
 from ferrum.api.loaded import ServedModel
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses import failure
+from ferrum.api.openai.answers import failure
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.prompting.tool_calls import StreamDelta, ToolCall, ToolFormat
 from ferrum.api.serving import (
     HeldStream,
     Prepared,
@@ -33,7 +34,6 @@ from ferrum.api.serving import (
     unless_gone,
     with_defaults,
 )
-from ferrum.api.tool_calls import StreamDelta, ToolCall, ToolFormat
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import EngineError, RequestTimeout

@@ -4,8 +4,8 @@ disconnects.
 A request holds a lease on its model (`ferrum.models.registry`) from before its preparation
 until its answer is sent, so the model cannot unload under it. Every way a request can end
 early frees its engine requests and its lease: a client that hangs up (stream or not) and a
-deadline that passes both abort them within one engine step. Each API dialect (OpenAI here
-and in `app.py`, Ollama in `ollama.py`) translates into `prepare_*` and `submit`.
+deadline that passes both abort them within one engine step. Each API dialect (its package:
+`openai/`, `responses/`, `ollama/`, `anthropic/`) translates into `prepare_*` and `submit`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
-from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.loaded import Loaded, ServedModel
+from ferrum.api.openai.answers import CompletionKind, collect, stream_sse
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses import CompletionKind, collect, stream_sse
-from ferrum.api.tool_request import ToolRequest
+from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.batch import Vocabulary
 from ferrum.engine.request import SamplingParams
@@ -154,7 +154,7 @@ async def prepare(
     prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B
 ) -> Prepared:
     """Runs request preparation off the event loop, which every open stream is waiting on,
-    and in turns with the decodes (`ferrum.api.preparation`)."""
+    and in turns with the decodes (`ferrum.api.prompting.preparation`)."""
     return await model.preparer.run(functools.partial(prepare_fn, model, body))
 
 

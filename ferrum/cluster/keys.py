@@ -21,12 +21,12 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from ferrum.api.builtin_templates import resolve_template
-from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.dialects import translation
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.prompting.builtin_templates import resolve_template
+from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.api.serving import chat_prompt
-from ferrum.api.tool_request import ToolRequest
 from ferrum.cluster.policy import RouteKey
 from ferrum.engine.prefix import block_hashes
 from ferrum.engine.vocab import VocabularyFile

@@ -1,6 +1,6 @@
 """The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`, and both
 without `/v1`) on ferrum's port: Anthropic's bodies are translated into the OpenAI chat body
-(`protocol.py`) and served by the same path (`generation.serve`: preset defaults, the chat
+(`openai/bodies.py`) and served by the same path (`generation.serve`: preset defaults, the chat
 template, tool-call parsing, grammars, the deadline, the lease), then answered as
 Anthropic's message object or its events.
 

@@ -17,9 +17,10 @@ A stream is:
     message_stop
 
 Blocks open in the order the model writes them (thinking and text may alternate); a tool
-call is parsed whole (`tool_calls.py`), so its input comes in one delta. message_start waits
-for the engine's first output, which says how much of the prompt was cached. A failure or
-the deadline ends the stream with an `error` event in the same shape as an error response.
+call is parsed whole (`prompting/tool_calls.py`), so its input comes in one delta.
+message_start waits for the engine's first output, which says how much of the prompt was
+cached. A failure or the deadline ends the stream with an `error` event in the same shape as
+an error response.
 
 Rules:
 - stop_reason: tool_use when the model made calls, max_tokens when it ran out, stop_sequence
@@ -44,8 +45,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.anthropic.dialect import ANTHROPIC
 from ferrum.api.generation import Delta, Event, Finish, gathered
+from ferrum.api.prompting.tool_calls import ToolCall
 from ferrum.api.serving import Prepared
-from ferrum.api.tool_calls import ToolCall
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import FerrumError, RequestTimeout
 

@@ -1,5 +1,5 @@
 """The Ollama API (`/api/*`) on ferrum's port: Ollama's bodies are translated into the OpenAI
-ones (`protocol.py`), served by the same path (`serving.py`) and answered as Ollama's NDJSON.
+ones (`openai/bodies.py`), served by the same path (`serving.py`) and answered as Ollama's NDJSON.
 
 The package:
 - `bodies.py`: Ollama's request bodies and their translation into the OpenAI bodies.

@@ -42,7 +42,7 @@ from ferrum.api.ollama.bodies import (
     renamed,
 )
 from ferrum.api.ollama.dialect import OLLAMA
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
     Prepared,
     ServerState,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ferrum.api.dialect import Dialect, compact_json
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import FerrumError
 
 __all__ = ["OPENAI", "OpenAI"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.tool_calls import ToolCall, ToolFormat
+from ferrum.api.prompting.tool_calls import ToolCall, ToolFormat
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import LogprobEntry, RequestOutput
 from ferrum.engine.request import FinishReason

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ferrum.api.openai.dialect import OpenAI
-from ferrum.api.responses_api.bodies import ResponsesRequest, chat_request, input_messages
+from ferrum.api.responses.bodies import ResponsesRequest, chat_request, input_messages
 
 __all__ = ["RESPONSES"]
 
