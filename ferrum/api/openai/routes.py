@@ -1,23 +1,38 @@
-"""OpenAI's routes: chat and text completions (`serving.complete`), embeddings and rerank
+"""OpenAI's routes: chat and text completions (`complete`: n choices answered as a
+`Completion` through the serve path every dialect shares), embeddings and rerank
 (`embeddings.py`), the model list; and `route`, which registers a route under `/v1` and
 without it, its errors documented as they leave (OpenAI's shape, a bad body a 400)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
 from ferrum.api.loaded import ServedModel
+from ferrum.api.openai.answers import collect, stream_sse
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.openai.dialect import OPENAI
 from ferrum.api.openai.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
-from ferrum.api.serving import ServerState, acquire_chat, complete, prepare_chat, prepare_completion
+from ferrum.api.serving import (
+    Prepared,
+    ServerState,
+    Submission,
+    acquire_chat,
+    prepare_chat,
+    prepare_completion,
+    serve_request,
+)
+from ferrum.errors import RequestTimeout
 from ferrum.models.errors import ModelNotFound
-from ferrum.models.registry import ModelSpec
+from ferrum.models.registry import Lease, ModelSpec
 
-__all__ = ["add_openai_routes", "route"]
+__all__ = ["Completion", "add_openai_routes", "complete", "route"]
+
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -87,6 +102,41 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if spec is None:
             raise ModelNotFound(model_id, [s.name for s in state.models.specs()])
         return _model_card(state, spec)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """OpenAI's answer to a chat or text completion: n choices, whole or as SSE chunks."""
+
+    name: str
+    stream: bool
+    include_usage: bool
+    media_type: str = "text/event-stream"
+
+    def begin(self, prepared: Prepared) -> None:
+        pass
+
+    def lines(self, sub: Submission, prepared: Prepared) -> AsyncIterator[str]:
+        return stream_sse(sub.streams, prepared.kind, sub.request_id, self.name, self.include_usage)
+
+    def whole(self, sub: Submission, prepared: Prepared) -> Awaitable[dict[str, Any]]:
+        return collect(sub.streams, prepared.kind, sub.request_id, self.name)
+
+    def timeout_lines(self, err: RequestTimeout) -> list[str]:
+        return [OPENAI.stream_error(err), "data: [DONE]\n\n"]
+
+
+async def complete(
+    state: ServerState,
+    http: Request,
+    body: B,
+    prepare_fn: Callable[[ServedModel, B], Prepared],
+    lease: Lease[ServedModel],
+) -> Any:
+    """An OpenAI request served on the leased model (`serve_request`), n choices."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    reply = Completion(lease.name, body.stream, include_usage)
+    return await serve_request(state, http, lease, body, prepare_fn, reply)
 
 
 def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
