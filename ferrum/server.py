@@ -14,9 +14,9 @@ from fastapi import FastAPI
 
 from ferrum.api.app import ServerState, create_app
 from ferrum.api.auth import Keys
-from ferrum.api.chat_template import ChatFormatter, resolve_template
 from ferrum.api.loaded import EmbeddingModel, Loaded, ServedModel
-from ferrum.api.preparation import Preparer
+from ferrum.api.prompting.chat_template import ChatFormatter, resolve_template
+from ferrum.api.prompting.preparation import Preparer
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.embedding import EmbeddingEngine

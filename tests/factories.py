@@ -289,8 +289,8 @@ def llama_engine(
 
 def fake_served(name: str, runner: FakeRunner, metrics, max_queue: int = 64, **fields):
     """One fake model as the API serves it (ChatML template, byte tokenizer)."""
-    from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
     from ferrum.api.loaded import ServedModel
+    from ferrum.api.prompting.chat_template import BUILTIN_TEMPLATES, ChatFormatter
     from ferrum.engine.async_engine import AsyncEngine
 
     engine = LLMEngine(runner, block_size=16, observer=metrics, max_running=4)

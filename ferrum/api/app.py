@@ -1,113 +1,45 @@
-"""The HTTP API: OpenAI-compatible routes over the AsyncEngine, beside the Ollama and
-Anthropic dialects.
+"""The HTTP API's assembly: the gate (API key, body size), the error handlers, and the routes
+of each dialect (`openai/`, `responses/`, `ollama/`, `anthropic/`) and the server's own
+(`server_routes.py`).
 
-Every route also answers without its `/v1` prefix. Every error, including FastAPI's own
+Every /v1 route also answers without its `/v1` prefix. Every error, including FastAPI's own
 validation and routing errors, leaves as an OpenAI-shaped body with a 4xx status, except on
 the Anthropic Messages paths, where it takes Anthropic's shape, and on Ollama's /api paths,
-where it takes Ollama's (`error_response` decides, for the gate's errors too).
+where it takes Ollama's (`dialects.dialect_for` decides, for the gate's errors too).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ferrum.api.anthropic import add_anthropic_routes, speaks_anthropic
-from ferrum.api.anthropic import error_response as anthropic_error
-from ferrum.api.auth import Keys, caller_of, remember
+from ferrum.api.anthropic import add_anthropic_routes
+from ferrum.api.auth import Keys, remember
 from ferrum.api.body_text import SurrogateCheck
-from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
-from ferrum.api.loaded import Loaded, ServedModel
-from ferrum.api.ollama import add_ollama_routes, speaks_ollama
-from ferrum.api.ollama import error_response as ollama_error
-from ferrum.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    invalid_request,
-)
-from ferrum.api.responses_api import add_responses_routes
-from ferrum.api.serving import (
-    ServerState,
-    acquire,
-    acquire_chat,
-    check_token_ids,
-    complete,
-    prepare_chat,
-    prepare_completion,
-    refuse_unfit_text,
-    utf8_length,
-)
+from ferrum.api.dialects import error_response
+from ferrum.api.ollama import add_ollama_routes
+from ferrum.api.openai.bodies import invalid_request
+from ferrum.api.openai.routes import add_openai_routes, route
+from ferrum.api.responses import add_responses_routes
+from ferrum.api.server_routes import add_server_routes
+from ferrum.api.serving import ServerState
 from ferrum.api.transport import BodyCap, needs_cap, too_large
-from ferrum.errors import (
-    AuthenticationError,
-    ClientGone,
-    ContextLengthExceeded,
-    FerrumError,
-    InvalidRequest,
-    NotFound,
-    RequestTooLarge,
-    TooManyRequests,
-)
-from ferrum.metrics import CONTENT_TYPE
-from ferrum.models.errors import ModelNotFound
-from ferrum.models.registry import ModelSpec
+from ferrum.errors import AuthenticationError, ClientGone, FerrumError, InvalidRequest, NotFound
 
 log = logging.getLogger("ferrum.api")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
-__all__ = ["ServerState", "create_app"]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    """Every error response (`FerrumError.to_dict()`), as the OpenAPI schema documents it."""
-
-    error: ErrorDetail
-
-
-# The schema documents errors as they really leave: OpenAI-shaped, a bad body is a 400. Without
-# this FastAPI documents a 422 validation body that this API never sends.
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    "4XX": {"model": ErrorBody, "description": "OpenAI-shaped client error"},
-    "5XX": {"model": ErrorBody, "description": "OpenAI-shaped server error"},
-}
-
-
-def error_response(exc: FerrumError, path: str) -> JSONResponse:
-    """An error in the shape of the API its path belongs to (Anthropic's, Ollama's or
-    OpenAI's)."""
-    if speaks_anthropic(path):
-        response = anthropic_error(exc)
-    elif speaks_ollama(path):
-        response = ollama_error(exc)
-    else:
-        headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
-        response = JSONResponse(exc.to_dict(), status_code=exc.status, headers=headers)
-    if isinstance(exc, RequestTooLarge):
-        # The body's unread rest is still coming: closing the connection stops it, where
-        # keep-alive would make the server read it all to find the next request.
-        response.headers["connection"] = "close"
-    return response
+__all__ = ["ServerState", "create_app", "error_response"]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -217,171 +149,10 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
-
-
-def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]:
-    """Registers a handler under `path` and, for /v1 routes, also without the prefix."""
-
-    def register(fn: Handler) -> Handler:
-        app.add_api_route(path, fn, methods=[method], responses=_ERROR_RESPONSES)
-        if path.startswith("/v1/"):
-            app.add_api_route(path[3:], fn, methods=[method], include_in_schema=False)
-        return fn
-
-    return register
-
-
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    _add_openai_routes(app, state)
-    _add_server_routes(app, state)
-    add_responses_routes(functools.partial(_route, app), state)
+    """Each dialect's routes, and the server's own."""
+    add_openai_routes(app, state)
+    add_server_routes(app, state)
+    add_responses_routes(functools.partial(route, app), state)
     add_ollama_routes(app, state)
     add_anthropic_routes(app, state)
-
-
-def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    """OpenAI's generation, embedding and model-listing routes (and /v1/rerank beside them)."""
-
-    @_route(app, "POST", "/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        lease = await acquire_chat(state, request, body.model, body.keep_alive)
-        return await complete(state, request, body, prepare_chat, lease)
-
-    @_route(app, "POST", "/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        lease = await acquire_chat(state, request, body.model, body.keep_alive)
-        return await complete(state, request, body, prepare_completion, lease)
-
-    @_route(app, "POST", "/v1/embeddings")
-    async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
-        return await embeddings(state, request, body)
-
-    @_route(app, "POST", "/v1/rerank")
-    async def create_rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
-        return await rerank(state, request, body)
-
-    @_route(app, "GET", "/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state, s) for s in state.models.specs()]}
-
-    @_route(app, "GET", "/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        spec = state.models.lookup(model_id)
-        if spec is None:
-            raise ModelNotFound(model_id, [s.name for s in state.models.specs()])
-        return _model_card(state, spec)
-
-
-def _add_server_routes(app: FastAPI, state: ServerState) -> None:
-    """The server's own routes: health, metrics and the tokenizer."""
-
-    @_route(app, "GET", "/health")
-    async def health(request: Request) -> JSONResponse:
-        loaded = state.models.loaded()
-        ok = all(m.model.alive for m in loaded)
-        if state.keys.required and not caller_of(request).tenant:
-            # Liveness for anyone (a load balancer's probe); which models run, their load
-            # and cache figures only for a key.
-            return JSONResponse({"status": "ok" if ok else "error"}, 200 if ok else 503)
-        per_model = {m.spec.name: state.metrics.snapshot(m.spec.name) for m in loaded}
-        body = {
-            "status": "ok" if ok else "error",
-            "model": state.models.default,
-            **_sum_snapshots(list(per_model.values())),
-            "models": per_model,
-        }
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @_route(app, "GET", "/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @_route(app, "POST", "/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-        lease = await acquire(state, request, body.model)
-        try:
-            model = lease.model
-            refuse_unfit_text(model.vocab, utf8_length(body.content), _n_ctx(model), "content")
-            tokens = await asyncio.to_thread(
-                lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
-            )
-        finally:
-            lease.release()
-        return {"tokens": tokens}
-
-    @_route(app, "POST", "/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-        lease = await acquire(state, request, body.model)
-        try:
-            model = lease.model
-            if len(body.tokens) > _n_ctx(model):
-                # No sequence of this model is longer; joining millions of ids takes seconds.
-                raise ContextLengthExceeded(
-                    f"{len(body.tokens)} tokens; this model's context holds {_n_ctx(model)}",
-                    param="tokens",
-                )
-            tokens = check_token_ids(_n_vocab(model), body.tokens, "tokens")
-            data = await asyncio.to_thread(b"".join, map(model.vocab.token_bytes, tokens))
-        finally:
-            lease.release()
-        return {"content": data.decode("utf-8", "replace")}
-
-
-def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several models' /health figures as one: counts add up, the KV use ratio is the
-    highest."""
-    total: dict[str, Any] = {}
-    for snap in snapshots:
-        for key, value in snap.items():
-            if isinstance(value, dict):
-                total[key] = _sum_snapshots([total.get(key, {}), value])
-            elif key.endswith("_ratio"):
-                total[key] = max(total.get(key, 0), value)
-            else:
-                total[key] = total.get(key, 0) + value
-    return total
-
-
-def _n_vocab(model: Loaded) -> int:
-    return model.info.n_vocab if isinstance(model, ServedModel) else model.embedder.info.n_vocab
-
-
-def _n_ctx(model: Loaded) -> int:
-    return model.info.n_ctx if isinstance(model, ServedModel) else model.embedder.info.max_tokens
-
-
-def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
-    card: dict[str, Any] = {
-        "id": spec.name,
-        "object": "model",
-        "created": int(spec.created) or state.created,
-        "owned_by": spec.source.partition(":")[0] or "ferrum",
-        "loaded": False,
-    }
-    for m in state.models.loaded():
-        if m.spec.name != spec.name:
-            continue
-        card["loaded"] = True
-        model = m.model
-        if isinstance(model, ServedModel):
-            info = model.info
-            card["meta"] = {
-                "architecture": info.architecture,
-                "description": info.description,
-                "n_ctx": info.n_ctx,
-                "n_ctx_train": info.n_ctx_train,
-                "n_vocab": info.n_vocab,
-            }
-        else:
-            facts = model.embedder.info
-            card["meta"] = {
-                "architecture": facts.architecture,
-                "description": facts.description,
-                "embedding": True,
-                "n_embd": facts.n_embd,
-                "pooling": facts.pooling,
-                "max_input_tokens": facts.max_tokens,
-                "n_vocab": facts.n_vocab,
-            }
-    return card

@@ -2,7 +2,8 @@
 calls parsed out, ending in one `Finish`, and the serving of one request (preset defaults,
 preparation in a worker thread, submission, the deadline, a hang-up, the model's lease) that
 the Ollama, Responses and Anthropic routes share. Chat completions, which answer n choices
-and logprobs, are served by `serving.complete`.
+and logprobs, are OpenAI's (`openai.routes.complete`); both go through
+`serving.serve_request`.
 
 A dialect is an `Answer`: how it streams the events (`lines`, which also ends a stream that
 fails in its own shape), how it answers them whole, and what a stream says when the deadline
@@ -11,29 +12,18 @@ passes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from ferrum.api.auth import caller_of
 from ferrum.api.loaded import ServedModel
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses import failure
-from ferrum.api.serving import (
-    HeldStream,
-    Prepared,
-    ServerState,
-    deadline,
-    guard_stream,
-    prepare,
-    submit,
-    unless_gone,
-    with_defaults,
-)
-from ferrum.api.tool_calls import StreamDelta, ToolCall, ToolFormat
+from ferrum.api.openai.answers import failure
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.prompting.tool_calls import StreamDelta, ToolCall, ToolFormat
+from ferrum.api.serving import Prepared, ServerState, Submission, serve_request
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import EngineError, RequestTimeout
@@ -144,30 +134,40 @@ async def serve(
     prepare_fn: Callable[[ServedModel, B], Prepared],
     answer: Answer,
 ) -> Response:
-    """Prepares, submits and answers one generation on the leased model (n is 1). The lease
-    is released when the answer is sent or the request fails, however that happens; an error
-    before submission is raised as it is, for the dialect to shape."""
-    try:
-        model = lease.model
-        body = with_defaults(model, body)
-        prepared = await prepare(prepare_fn, model, body)
-        answer.begin(prepared)
-        sub = submit(state, caller_of(http), model, body, prepared, whole=not answer.stream)
-    except BaseException:
-        lease.release()
-        raise
-    events = deltas(sub.streams[0], prepared.kind.tool_format, answer.on_output)
-    limit = deadline(state, body)
-    if answer.stream:
+    """Prepares, submits and answers one generation on the leased model (n is 1), through the
+    serve path every dialect shares (`serving.serve_request`: the lease, the deadline, a
+    hang-up); an error before submission is raised as it is, for the dialect to shape."""
+    response: Response = await serve_request(
+        state, http, lease, body, prepare_fn, _OneChoice(answer)
+    )
+    return response
 
-        def close() -> None:
-            sub.abort_all()
-            lease.release()
 
-        lines = guard_stream(answer.lines(events), limit, sub.abort_all, answer.timeout_lines)
-        return HeldStream(lines, close, media_type=answer.media_type)
-    try:
-        return await unless_gone(http, answer.whole(events), limit)
-    finally:
-        sub.abort_all()
-        lease.release()
+@dataclass(frozen=True)
+class _OneChoice:
+    """An `Answer`, which reads one choice as deltas, as the serve path's `Reply`."""
+
+    answer: Answer
+
+    @property
+    def stream(self) -> bool:
+        return self.answer.stream
+
+    @property
+    def media_type(self) -> str:
+        return self.answer.media_type
+
+    def begin(self, prepared: Prepared) -> None:
+        self.answer.begin(prepared)
+
+    def lines(self, sub: Submission, prepared: Prepared) -> AsyncIterator[str]:
+        return self.answer.lines(self._events(sub, prepared))
+
+    def whole(self, sub: Submission, prepared: Prepared) -> Awaitable[Response]:
+        return self.answer.whole(self._events(sub, prepared))
+
+    def timeout_lines(self, err: RequestTimeout) -> list[str]:
+        return self.answer.timeout_lines(err)
+
+    def _events(self, sub: Submission, prepared: Prepared) -> AsyncIterator[Event]:
+        return deltas(sub.streams[0], prepared.kind.tool_format, self.answer.on_output)

@@ -13,9 +13,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ferrum.api.chat_template import ChatFormatter
-from ferrum.api.grammar import GrammarBuilder
-from ferrum.api.preparation import Preparer
+from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.grammar import GrammarBuilder
+from ferrum.api.prompting.preparation import Preparer
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.contracts import ModelInfo, Vocabulary
 from ferrum.metrics import Metrics

@@ -4,8 +4,8 @@ disconnects.
 A request holds a lease on its model (`ferrum.models.registry`) from before its preparation
 until its answer is sent, so the model cannot unload under it. Every way a request can end
 early frees its engine requests and its lease: a client that hangs up (stream or not) and a
-deadline that passes both abort them within one engine step. Each API dialect (OpenAI here
-and in `app.py`, Ollama in `ollama.py`) translates into `prepare_*` and `submit`.
+deadline that passes both abort them within one engine step. Each API dialect (its package:
+`openai/`, `responses/`, `ollama/`, `anthropic/`) translates into `prepare_*` and `submit`.
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
-from ferrum.api.chat_template import ChatFormatter
 from ferrum.api.loaded import Loaded, ServedModel
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses import CompletionKind, collect, error_event, stream_sse
-from ferrum.api.tool_request import ToolRequest
+from ferrum.api.openai.answers import CompletionKind
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.openai.dialect import OPENAI
+from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.request import SamplingParams
@@ -153,7 +154,7 @@ async def prepare(
     prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B
 ) -> Prepared:
     """Runs request preparation off the event loop, which every open stream is waiting on,
-    and in turns with the decodes (`ferrum.api.preparation`)."""
+    and in turns with the decodes (`ferrum.api.prompting.preparation`)."""
     return await model.preparer.run(functools.partial(prepare_fn, model, body))
 
 
@@ -275,38 +276,62 @@ class HeldStream(StreamingResponse):
             self._on_close()
 
 
-async def complete(
+class Reply(Protocol):
+    """How one request's submission is answered in a dialect: its n streams read as the
+    dialect's answer, whole or streamed (`serve_request`)."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def media_type(self) -> str: ...
+
+    def begin(self, prepared: Prepared) -> None:
+        """Called with the prepared prompt, just before it is submitted."""
+
+    def lines(self, sub: Submission, prepared: Prepared) -> AsyncIterator[str]:
+        """The streamed answer; a failure ends it in the dialect's own error shape."""
+        ...
+
+    def whole(self, sub: Submission, prepared: Prepared) -> Awaitable[Any]: ...
+
+    def timeout_lines(self, err: RequestTimeout) -> list[str]:
+        """How a stream that has begun ends when its deadline passes."""
+        ...
+
+
+async def serve_request(
     state: ServerState,
     http: Request,
+    lease: Lease[ServedModel],
     body: B,
     prepare_fn: Callable[[ServedModel, B], Prepared],
-    lease: Lease[ServedModel],
+    reply: Reply,
 ) -> Any:
-    """Prepares, submits and answers an OpenAI request on the leased model; releases the
-    lease when the answer is sent or the request fails, however that happens."""
+    """Prepares, submits and answers one request on the leased model, in every dialect: the
+    lease is released when the answer is sent or the request fails, however that happens
+    (a hang-up, the deadline); an error before submission is raised as it is, for the
+    dialect to shape."""
     try:
         model = lease.model
         body = with_defaults(model, body)
         prepared = await prepare(prepare_fn, model, body)
-        sub = submit(state, caller_of(http), model, body, prepared, whole=not body.stream)
+        reply.begin(prepared)
+        sub = submit(state, caller_of(http), model, body, prepared, whole=not reply.stream)
     except BaseException:
         lease.release()
         raise
     limit = deadline(state, body)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream_sse(sub.streams, prepared.kind, sub.request_id, lease.name, include_usage)
+    if reply.stream:
 
         def close() -> None:
             sub.abort_all()
             lease.release()
 
-        return HeldStream(
-            guard_stream(events, limit, sub.abort_all), close, media_type="text/event-stream"
-        )
+        lines = guard_stream(reply.lines(sub, prepared), limit, sub.abort_all, reply.timeout_lines)
+        return HeldStream(lines, close, media_type=reply.media_type)
     try:
-        whole = collect(sub.streams, prepared.kind, sub.request_id, lease.name)
-        return await unless_gone(http, whole, limit)
+        return await unless_gone(http, reply.whole(sub, prepared), limit)
     finally:
         sub.abort_all()
         lease.release()
@@ -340,7 +365,8 @@ async def guard_stream(
                 return
             except TimeoutError:
                 err = RequestTimeout(f"the request took longer than {deadline:g} s")
-                ending = on_timeout(err) if on_timeout else [error_event(err), "data: [DONE]\n\n"]
+                done = [OPENAI.stream_error(err), "data: [DONE]\n\n"]
+                ending = on_timeout(err) if on_timeout else done
                 for line in ending:
                     yield line
                 return

@@ -30,15 +30,13 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from ferrum.api.anthropic.errors import error_body as anthropic_error_body
-from ferrum.api.anthropic.errors import speaks_anthropic
-from ferrum.api.app import MAX_BODY_BYTES, check_gate, error_response
+from ferrum.api.app import MAX_BODY_BYTES, check_gate
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
+from ferrum.api.dialects import dialect_for, error_response, translation
 from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
 from ferrum.cluster.keys import (
     PromptKeys,
-    generation_route,
     key_registry,
     parse_body,
     prompt_text,
@@ -113,7 +111,10 @@ class Relay:
         return Response(text, media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> JSONResponse:
-        check_gate(self.gate_keys, self.settings.server.public_metrics, request)
+        try:
+            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
+        except FerrumError as exc:  # this app has no error handlers: a raise would be a 500
+            return _error(request.url.path, exc)
         posts = await self._posts()
         replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
@@ -136,7 +137,7 @@ class Relay:
             request.method, path, request.url.query.encode(), list(request.headers.raw), body
         )
         # Only a generation is tried again: a pull or a delete may have happened already.
-        attempts = _ATTEMPTS if generation_route(path) is not None else 1
+        attempts = _ATTEMPTS if translation(path) is not None else 1
         for attempt in range(attempts):
             stream = cast(
                 DeploymentResponseGenerator[Any],
@@ -241,27 +242,17 @@ def _header(head: Head, name: str) -> str:
     return dict(head.headers).get(name.encode(), b"").decode()
 
 
-def _error_body(path: str, exc: FerrumError) -> dict[str, Any]:
-    if speaks_anthropic(path):
-        return anthropic_error_body(exc)
-    if path.startswith("/api/"):
-        return {"error": exc.message}
-    return exc.to_dict()
-
-
 def _error(path: str, exc: FerrumError) -> JSONResponse:
     return error_response(exc, path)  # the route's own dialect, as `ferrum serve` answers
 
 
 def _stream_error(path: str, content_type: str, message: str) -> bytes:
-    """How a stream that already began reports a failure, in the route's dialect."""
-    body = _error_body(path, ServiceUnavailable(message))
-    if "ndjson" in content_type:
-        return (json.dumps(body) + "\n").encode()
-    if "event-stream" in content_type:
-        event = "event: error\n" if speaks_anthropic(path) else ""
-        return f"{event}data: {json.dumps(body)}\n\n".encode()
-    return b""  # a whole answer cut short: the client sees a truncated body
+    """How a stream that already began reports a failure, in the route's dialect (an SSE
+    error event, Anthropic's `error` event, Ollama's `{"error"}` line), as `ferrum serve`'s
+    own streams end."""
+    if "ndjson" not in content_type and "event-stream" not in content_type:
+        return b""  # a whole answer cut short: the client sees a truncated body
+    return dialect_for(path).stream_error(ServiceUnavailable(message)).encode()
 
 
 # No docs of its own: /docs and /openapi.json are relayed like any route, behind the key.

@@ -2,9 +2,10 @@
 
 For the generation routes of every dialect (OpenAI chat and completions, Ollama's chat and
 generate, Anthropic's messages, the Responses API's first turns) the body is translated into
-the OpenAI body the replica will serve, and its prompt tokens are computed as a replica
-computes them (`serving.chat_prompt`, the model's template, its vocabulary loaded alone):
-their chained block hashes are the key the prefix router matches against what replicas hold.
+the OpenAI body the replica will serve (by the path's dialect, `ferrum.api.dialects`), and
+its prompt tokens are computed as a replica computes them (`serving.chat_prompt`, the
+model's template, its vocabulary loaded alone): their chained block hashes are the key the
+prefix router matches against what replicas hold.
 The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
 caller the gate found, the body's `cache_salt` and `--share-prefix-cache`), as a replica's
 prefix index chains it: a prompt only matches blocks its own scope left.
@@ -18,47 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from pydantic import BaseModel
-
-from ferrum.api.anthropic.bodies import MessagesBody
-from ferrum.api.anthropic.bodies import chat_request as anthropic_chat
-from ferrum.api.builtin_templates import resolve_template
-from ferrum.api.chat_template import ChatFormatter
-from ferrum.api.ollama.bodies import ChatBody, GenerateBody, generate_request
-from ferrum.api.ollama.bodies import chat_request as ollama_chat
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.api.responses_api.bodies import ResponsesRequest, chat_request, input_messages
+from ferrum.api.dialects import translation
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
+from ferrum.api.prompting.builtin_templates import resolve_template
+from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.api.serving import chat_prompt
-from ferrum.api.tool_request import ToolRequest
 from ferrum.cluster.policy import RouteKey
 from ferrum.engine.kv.prefix import block_hashes
 from ferrum.engine.llama.vocab import VocabularyFile
 from ferrum.models.registry import ModelSpec, Registry
 
 Body = ChatCompletionRequest | CompletionRequest
-_Translate = Callable[[dict[str, Any]], Body]
-
-
-def _via(cls: type[BaseModel], to_openai: Callable[[Any], Body]) -> _Translate:
-    return lambda raw: to_openai(cls.model_validate(raw))
-
-
-_ROUTES: dict[str, _Translate] = {
-    "/v1/chat/completions": ChatCompletionRequest.model_validate,
-    "/v1/completions": CompletionRequest.model_validate,
-    "/api/chat": _via(ChatBody, ollama_chat),
-    "/api/generate": _via(GenerateBody, generate_request),
-    "/v1/messages": _via(MessagesBody, anthropic_chat),
-    "/v1/responses": _via(ResponsesRequest, lambda b: chat_request(b, input_messages(b, []))),
-}
-
-
-def generation_route(path: str) -> _Translate | None:
-    return _ROUTES.get(path) or _ROUTES.get("/v1" + path)
 
 
 @dataclass
@@ -110,7 +84,7 @@ def prompt_text(body: Body) -> str:
 def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
     """The model named and the OpenAI body of a generation request, or None (not one, or
     not valid: the replica answers why)."""
-    translate = generation_route(path)
+    translate = translation(path)  # the path's dialect translates its body
     if translate is None:
         return None
     try:
@@ -119,7 +93,8 @@ def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
             return None
         if path.endswith("/responses") and data.get("previous_response_id"):
             return None  # its history lives on one replica: pinned, not keyed
-        return str(data.get("model") or ""), translate(data)
+        body: Body = translate(data)
+        return str(data.get("model") or ""), body
     except Exception:  # noqa: BLE001 - any bad body: no key, the replica explains
         return None
 

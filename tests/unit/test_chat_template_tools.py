@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ferrum.api.chat_template import BUILTIN_TEMPLATES, ChatFormatter
-from ferrum.api.tool_calls import GEMMA, HERMES, LLAMA3
+from ferrum.api.prompting.chat_template import BUILTIN_TEMPLATES, ChatFormatter
+from ferrum.api.prompting.tool_calls import GEMMA, HERMES, LLAMA3
 from ferrum.errors import InvalidRequest
 from tests.tiny_models import CHATML_TEMPLATE
 

@@ -14,9 +14,9 @@ import llama_cpp as ll
 import pytest
 from fastapi.testclient import TestClient
 
-from ferrum.api.grammar import GrammarBuilder
-from ferrum.api.protocol import ResponseFormat
-from ferrum.api.schema_limits import MAX_ALTERNATIVES, MAX_DEPTH, MAX_REPEAT
+from ferrum.api.openai.bodies import ResponseFormat
+from ferrum.api.prompting.grammar import GrammarBuilder
+from ferrum.api.prompting.schema_limits import MAX_ALTERNATIVES, MAX_DEPTH, MAX_REPEAT
 from ferrum.engine.llama.vocab import (
     MAX_BUILD_SECONDS,
     MAX_GRAMMAR_BYTES,

@@ -1,4 +1,4 @@
-"""Request preparation in turns with the engines (`ferrum.api.preparation`).
+"""Request preparation in turns with the engines (`ferrum.api.prompting.preparation`).
 
 Oracles: every preparation runs on the one preparation thread and hands back its result or
 its exception; none runs while an engine holds a turn; what waited while an engine stepped is
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from ferrum.api import preparation as preparation_module
-from ferrum.api.preparation import Preparer
+from ferrum.api.prompting import preparation as preparation_module
+from ferrum.api.prompting.preparation import Preparer
 from ferrum.engine.turns import Turns
 
 

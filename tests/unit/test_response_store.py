@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ferrum.api.responses_api.bodies import size_of
-from ferrum.api.responses_api.store import ResponseStore
+from ferrum.api.responses.bodies import size_of
+from ferrum.api.responses.store import ResponseStore
 from ferrum.errors import NotFound
 
 MAX_BYTES = 2000

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrum.api.tool_calls import (
+from ferrum.api.prompting.tool_calls import (
     FORMATS,
     GEMMA,
     HERMES,

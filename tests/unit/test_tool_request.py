@@ -13,10 +13,10 @@ import llama_cpp as ll
 import pytest
 from pydantic import ValidationError
 
-from ferrum.api.grammar import GrammarBuilder
-from ferrum.api.protocol import ChatCompletionRequest, invalid_request
-from ferrum.api.tool_calls import FORMATS, ToolFormat
-from ferrum.api.tool_request import ToolRequest
+from ferrum.api.openai.bodies import ChatCompletionRequest, invalid_request
+from ferrum.api.prompting.grammar import GrammarBuilder
+from ferrum.api.prompting.tool_calls import FORMATS, ToolFormat
+from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.errors import InvalidRequest
 from tests.tiny_models import EOS_ID, write_tiny_llama

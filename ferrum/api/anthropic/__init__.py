@@ -1,14 +1,14 @@
 """The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`, and both
 without `/v1`) on ferrum's port: Anthropic's bodies are translated into the OpenAI chat body
-(`protocol.py`) and served by the same path (`generation.serve`: preset defaults, the chat
+(`openai/bodies.py`) and served by the same path (`generation.serve`: preset defaults, the chat
 template, tool-call parsing, grammars, the deadline, the lease), then answered as
 Anthropic's message object or its events.
 
 The package:
 - `bodies.py`: the request bodies and their translation into the OpenAI chat body.
 - `answers.py`: the message object, whole or streamed as Anthropic's server-sent events.
-- `errors.py`: Anthropic's error shape, which the app gives every error on these paths (the
-  API key and body-size gate's included).
+- `dialect.py`: Anthropic's error shape, which the app gives every error on these paths (the
+  API key and body-size gate's included), and the body's translation (`ferrum.api.dialect`).
 - here: the routes.
 
 The `anthropic-version` header is accepted and not required: one shape is served whatever
@@ -23,12 +23,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.anthropic.answers import MessageAnswer
 from ferrum.api.anthropic.bodies import CountTokensBody, MessagesBody, chat_request, parse, renamed
-from ferrum.api.anthropic.errors import error_response, speaks_anthropic
 from ferrum.api.generation import serve
 from ferrum.api.serving import ServerState, acquire_chat, prepare, prepare_chat
 from ferrum.errors import InvalidRequest
 
-__all__ = ["add_anthropic_routes", "error_response", "speaks_anthropic"]
+__all__ = ["add_anthropic_routes"]
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:

@@ -17,9 +17,10 @@ A stream is:
     message_stop
 
 Blocks open in the order the model writes them (thinking and text may alternate); a tool
-call is parsed whole (`tool_calls.py`), so its input comes in one delta. message_start waits
-for the engine's first output, which says how much of the prompt was cached. A failure or
-the deadline ends the stream with an `error` event in the same shape as an error response.
+call is parsed whole (`prompting/tool_calls.py`), so its input comes in one delta.
+message_start waits for the engine's first output, which says how much of the prompt was
+cached. A failure or the deadline ends the stream with an `error` event in the same shape as
+an error response.
 
 Rules:
 - stop_reason: tool_use when the model made calls, max_tokens when it ran out, stop_sequence
@@ -42,10 +43,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from ferrum.api.anthropic.errors import error_body
+from ferrum.api.anthropic.dialect import ANTHROPIC
 from ferrum.api.generation import Delta, Event, Finish, gathered
+from ferrum.api.prompting.tool_calls import ToolCall
 from ferrum.api.serving import Prepared
-from ferrum.api.tool_calls import ToolCall
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import FerrumError, RequestTimeout
 
@@ -55,10 +56,6 @@ __all__ = ["MessageAnswer"]
 def _event(kind: str, data: dict[str, Any]) -> str:
     body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {kind}\ndata: {body}\n\n"
-
-
-def _error_event(err: FerrumError) -> str:
-    return _event("error", {"error": error_body(err)["error"]})
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -200,7 +197,7 @@ class MessageAnswer:
                 for line in lines:
                     yield line
         except FerrumError as exc:
-            yield _error_event(exc)
+            yield ANTHROPIC.stream_error(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
         total, finish = await gathered(events)
@@ -218,4 +215,4 @@ class MessageAnswer:
         return content + [_tool_use(c) for c in total.calls]
 
     def timeout_lines(self, err: RequestTimeout) -> list[str]:
-        return [_error_event(err)]
+        return [ANTHROPIC.stream_error(err)]

@@ -1,9 +1,9 @@
 """Anthropic's Messages request bodies and their translation into the OpenAI chat body
-(`protocol.py`), which the shared serving path takes from there.
+(`openai/bodies.py`), which the shared serving path takes from there.
 
 Rules:
 - The bodies refuse wrong JSON types and tolerate unknown fields (`metadata`,
-  `cache_control`, `service_tier`...), as `protocol.py` does. `max_tokens` is required on
+  `cache_control`, `service_tier`...), as `openai/bodies.py` does. `max_tokens` is required on
   /v1/messages, as Anthropic requires it; /v1/messages/count_tokens takes the same body
   without it.
 - Content is a string or blocks: `text`, `tool_use`, `tool_result`, `thinking` and
@@ -44,7 +44,12 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ferrum.api.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
+from ferrum.api.openai.bodies import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+)
 from ferrum.errors import InvalidRequest
 
 __all__ = ["CountTokensBody", "MessagesBody", "chat_request", "parse", "renamed"]
@@ -53,7 +58,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _Body(BaseModel):
-    # As in protocol.py: wrong JSON types are refused, unknown fields tolerated.
+    # As in openai/bodies.py: wrong JSON types are refused, unknown fields tolerated.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 

@@ -1,11 +1,12 @@
 """The Ollama API (`/api/*`) on ferrum's port: Ollama's bodies are translated into the OpenAI
-ones (`protocol.py`), served by the same path (`serving.py`) and answered as Ollama's NDJSON.
+ones (`openai/bodies.py`), served by the same path (`serving.py`) and answered as Ollama's NDJSON.
 
 The package:
 - `bodies.py`: Ollama's request bodies and their translation into the OpenAI bodies.
 - `answers.py`: /api/chat and /api/generate served and answered as Ollama's chunks.
 - `models.py`: /api/tags, /api/show, /api/ps, and the store's /api/pull, /api/delete,
   /api/copy.
+- `dialect.py`: Ollama's error shape and its bodies' translation (`ferrum.api.dialect`).
 - here: the route registration that gives every error Ollama's shape, /api/version, `/` and
   the catch-all.
 
@@ -27,12 +28,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ferrum.api.ollama.answers import add_generation_routes
+from ferrum.api.ollama.dialect import OLLAMA
 from ferrum.api.ollama.embed import add_embed_routes
 from ferrum.api.ollama.models import add_model_routes, add_store_routes
 from ferrum.api.serving import ServerState
-from ferrum.errors import ClientGone, FerrumError, TooManyRequests
+from ferrum.errors import ClientGone, FerrumError, NotFound
 
-__all__ = ["Handler", "Route", "add_ollama_routes", "error_response", "speaks_ollama"]
+__all__ = ["Handler", "Route", "add_ollama_routes"]
 
 log = logging.getLogger("ferrum.api")
 
@@ -64,18 +66,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
         include_in_schema=False,
     )
     async def unknown(request: Request) -> Response:
-        return JSONResponse({"error": f"no such route: {request.url.path}"}, status_code=404)
-
-
-def speaks_ollama(path: str) -> bool:
-    """Whether a path is Ollama's, whose errors take Ollama's shape (the app's, too)."""
-    return path.startswith("/api/")
-
-
-def error_response(exc: FerrumError) -> JSONResponse:
-    """`{"error": message}` with the error's status, as Ollama answers."""
-    headers = {"Retry-After": "1"} if isinstance(exc, TooManyRequests) else None
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
+        return OLLAMA.error_response(NotFound(f"no such route: {request.url.path}"))
 
 
 def _api(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]:
@@ -89,7 +80,7 @@ def _api(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]:
             except FerrumError as exc:
                 if isinstance(exc, ClientGone):
                     log.info("%s %s: %s", method, path, exc.message)
-                return error_response(exc)
+                return OLLAMA.error_response(exc)
 
         app.add_api_route(path, handler, methods=[method], include_in_schema=False)
         return fn

@@ -41,7 +41,8 @@ from ferrum.api.ollama.bodies import (
     parse,
     renamed,
 )
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.api.ollama.dialect import OLLAMA
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
     Prepared,
     ServerState,
@@ -93,10 +94,6 @@ def rfc3339(unix: float) -> str:
 
 def ndjson_line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
-
-
-def _error_line(err: FerrumError) -> str:
-    return ndjson_line({"error": err.message})
 
 
 def _arguments(text: str) -> dict[str, Any]:
@@ -176,14 +173,14 @@ class _Answer:
                 elif (delta := self._seen(event)).content or delta.reasoning or delta.calls:
                     yield ndjson_line(self.shape.chunk(delta))
         except FerrumError as exc:
-            yield _error_line(exc)
+            yield OLLAMA.stream_error(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
         total, finish = await gathered(events)
         return JSONResponse(self.shape.chunk(self._seen(total), self._done(finish)))
 
     def timeout_lines(self, err: RequestTimeout) -> list[str]:
-        return [_error_line(err)]
+        return [OLLAMA.stream_error(err)]
 
 
 async def _serve(

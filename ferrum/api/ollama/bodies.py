@@ -1,8 +1,8 @@
-"""Ollama's request bodies and their translation into the OpenAI ones (`protocol.py`), which
+"""Ollama's request bodies and their translation into the OpenAI ones (`openai/bodies.py`), which
 the shared serving path (`serving.py`) takes from there.
 
 Rules:
-- The bodies refuse wrong JSON types and tolerate unknown fields, as `protocol.py` does.
+- The bodies refuse wrong JSON types and tolerate unknown fields, as `openai/bodies.py` does.
 - /api/generate renders the prompt with the model's chat template (`system`, then `prompt` as
   the user turn), as Ollama does; `raw: true` sends the prompt as it is (a text completion,
   whose thinking, if any, stays in `response`).
@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ferrum.api.protocol import ChatCompletionRequest, CompletionRequest, invalid_request
+from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest, invalid_request
 from ferrum.errors import InvalidRequest
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
@@ -55,7 +55,7 @@ _OLLAMA_PARAMS = {
 
 
 class _Body(BaseModel):
-    # As in protocol.py: wrong JSON types are refused, unknown fields tolerated.
+    # As in openai/bodies.py: wrong JSON types are refused, unknown fields tolerated.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 

@@ -1,5 +1,5 @@
 """/api/embed and the older /api/embeddings: Ollama's shapes over the same embedding path as
-/v1/embeddings (`api/embeddings.py`).
+/v1/embeddings (`openai/embeddings.py`).
 
 Rules: `/api/embed` truncates over-long inputs unless `truncate: false` (Ollama's default),
 returns L2-normalised vectors in `embeddings`, and reports `prompt_eval_count` and its
@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from ferrum.api.embeddings import deadline, embed_texts, embedder_of
 from ferrum.api.ollama.bodies import _Body, parse
+from ferrum.api.openai.embeddings import deadline, embed_texts, embedder_of
 from ferrum.api.serving import ServerState, acquire
 from ferrum.errors import InvalidRequest
 

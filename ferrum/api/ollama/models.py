@@ -168,7 +168,7 @@ def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
         model_info[f"{f.family}.context_length"] = f.context_length
     capabilities = ["embedding"] if embeds else ["completion"]
     if not embeds and (f.chat_template or template):
-        capabilities.append("tools")  # tools ride on the chat template (tool_calls.py)
+        capabilities.append("tools")  # tools ride on the chat template (`prompting/tool_calls.py`)
     return {
         "modelfile": "",
         "parameters": "",

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from pydantic import Field
 
 from ferrum.api.loaded import Embedder, EmbeddingModel, Loaded
-from ferrum.api.protocol import _Body
+from ferrum.api.openai.bodies import _Body
 from ferrum.api.serving import (
     ServerState,
     acquire,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 # Written for ferrum from each family's documented turn format. With `tools`, each also
-# teaches and replays its family's tool-call format (ferrum/api/tool_calls.py): chatml the
+# teaches and replays its family's tool-call format (ferrum/api/prompting/tool_calls.py): chatml the
 # Hermes/Qwen tags, llama3 Llama 3.1 JSON calls and `ipython` results, gemma ferrum's fenced
 # ```tool_call convention. (Under trim_blocks a newline right after a block tag vanishes,
 # hence the {{ '\n' }}.)

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ferrum.api.responses_api.bodies import Messages, size_of
+from ferrum.api.responses.bodies import Messages, size_of
 from ferrum.errors import NotFound
 
 MAX_ENTRIES = 10_000

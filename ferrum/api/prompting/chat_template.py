@@ -28,8 +28,8 @@ from typing import Any
 from jinja2 import Template, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ferrum.api.builtin_templates import BUILTIN_TEMPLATES, resolve_template
-from ferrum.api.tool_calls import ToolFormat, detect_format
+from ferrum.api.prompting.builtin_templates import BUILTIN_TEMPLATES, resolve_template
+from ferrum.api.prompting.tool_calls import ToolFormat, detect_format
 from ferrum.errors import InvalidRequest
 
 __all__ = ["BUILTIN_TEMPLATES", "ChatFormatter", "resolve_template", "split_content"]

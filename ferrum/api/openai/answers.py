@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ferrum.api.tool_calls import ToolCall, ToolFormat
+from ferrum.api.openai.dialect import OPENAI
+from ferrum.api.prompting.tool_calls import ToolCall, ToolFormat
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import LogprobEntry, RequestOutput
 from ferrum.engine.request import FinishReason
-from ferrum.errors import EngineError, FerrumError
+from ferrum.errors import EngineError
 
 Logprobs = list[LogprobEntry] | None
 
@@ -167,11 +168,6 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def error_event(err: FerrumError) -> str:
-    """An OpenAI-shaped error as an SSE event: how a stream that already began reports one."""
-    return _sse(err.to_dict())
-
-
 def failure(out: RequestOutput) -> EngineError | None:
     """Why a request ended without a result: an engine error, or an abort it did not ask for
     (a client's own abort closes its stream first, so it never reads one)."""
@@ -268,7 +264,7 @@ async def stream_sse(
     tools = _ToolStreams(kind.tool_format, len(streams))
     async for i, out in _merged(streams):
         if out.finished and (err := failure(out)) is not None:
-            yield error_event(err)
+            yield OPENAI.stream_error(err)
             break
         content, calls = tools.feed(i, out)
         if content or out.reasoning or out.logprobs or calls:

@@ -22,10 +22,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.generation import Delta, Event, Finish
-from ferrum.api.responses_api.bodies import Messages
-from ferrum.api.responses_api.store import ResponseStore
+from ferrum.api.prompting.tool_calls import ToolCall
+from ferrum.api.responses.bodies import Messages
+from ferrum.api.responses.store import ResponseStore
 from ferrum.api.serving import Prepared
-from ferrum.api.tool_calls import ToolCall
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import EngineError, FerrumError, RequestTimeout
 

@@ -1,7 +1,7 @@
 """What a chat request asks of tools: `tools`, `tool_choice` and `parallel_tool_calls`
-(their shapes validated by the pydantic models in `protocol.py`; here what relates them: unique
+(their shapes validated by the pydantic models in `openai/bodies.py`; here what relates them: unique
 names, a choice that names a tool), and which functions a forcing choice must call
-(`api/grammar.py` turns those into the grammar; only a forced call checks its schema, so
+(`grammar.py` turns those into the grammar; only a forced call checks its schema, so
 `auto` accepts any object schema)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ferrum.api.protocol import NamedToolChoice, Tool, ToolChoice
+from ferrum.api.openai.bodies import NamedToolChoice, Tool, ToolChoice
 from ferrum.errors import InvalidRequest
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -1,5 +1,5 @@
 """The Responses API's request body and its translation into a chat completion body
-(`protocol.py`), which the shared serving path takes from there.
+(`openai/bodies.py`), which the shared serving path takes from there.
 
 Rules:
 - `input` is a string (one user message) or a list of items: messages (roles user, system,
@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ferrum.api.protocol import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, invalid_request
+from ferrum.api.openai.bodies import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, invalid_request
 from ferrum.errors import InvalidRequest
 
 Messages = list[dict[str, Any]]
@@ -45,7 +45,7 @@ _ROLES = ("user", "system", "developer", "assistant")
 
 
 class _Body(BaseModel):
-    # As in protocol.py: wrong JSON types are refused, unknown fields tolerated.
+    # As in openai/bodies.py: wrong JSON types are refused, unknown fields tolerated.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import jsonschema_rs
 
-from ferrum.api.protocol import ResponseFormat
-from ferrum.api.schema_limits import check_limits, walk
-from ferrum.api.tool_calls import ToolFormat
-from ferrum.api.tool_request import Function, ToolRequest
+from ferrum.api.openai.bodies import ResponseFormat
+from ferrum.api.prompting.schema_limits import check_limits, walk
+from ferrum.api.prompting.tool_calls import ToolFormat
+from ferrum.api.prompting.tool_request import Function, ToolRequest
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest

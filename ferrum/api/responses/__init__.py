@@ -24,15 +24,15 @@ from fastapi.responses import Response
 
 from ferrum.api.auth import caller_of
 from ferrum.api.generation import serve
-from ferrum.api.responses_api.answers import ResponsesAnswer, new_id
-from ferrum.api.responses_api.bodies import (
+from ferrum.api.responses.answers import ResponsesAnswer, new_id
+from ferrum.api.responses.bodies import (
     Reasoning,
     ResponsesRequest,
     chat_request,
     input_messages,
     renamed,
 )
-from ferrum.api.responses_api.store import ResponseStore
+from ferrum.api.responses.store import ResponseStore
 from ferrum.api.serving import ServerState, acquire_chat, prepare_chat
 from ferrum.errors import InvalidRequest, NotFound
 
