@@ -39,6 +39,7 @@ from ferrum.engine.speculation import SpecConfig
 from ferrum.engine.tiers import TierConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
+from tests.profiles import examples
 
 ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
 KINDS = ["fresh", "same", "extend", "branch", "turn"]
@@ -109,7 +110,7 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 def machine_settings(max_examples: int) -> settings:
     """Random runs of 50 steps each; slow examples are fine (the pump does real work)."""
     return settings(
-        max_examples=max_examples,
+        max_examples=examples(max_examples),
         stateful_step_count=50,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
