@@ -91,6 +91,7 @@ def app():
         asgi.shutdown_lifespans()  # stops the engine thread the fuzzer's client started
 
 
+@pytest.mark.slow
 def test_the_api_survives_fuzzing_of_its_own_schema(app, capsys):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     tally: Counter = Counter()

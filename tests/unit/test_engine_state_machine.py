@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -332,7 +333,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = machine_settings(200)
-TestEngineStateMachine = EngineMachine.TestCase
+TestEngineStateMachine = pytest.mark.slow(EngineMachine.TestCase)
 
 
 class SpeculatingEngineMachine(EngineMachine):
@@ -359,7 +360,7 @@ class SpeculatingEngineMachine(EngineMachine):
 
 
 SpeculatingEngineMachine.TestCase.settings = machine_settings(100)
-TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
+TestSpeculatingEngineStateMachine = pytest.mark.slow(SpeculatingEngineMachine.TestCase)
 
 
 class NgramEngineMachine(SpeculatingEngineMachine):
@@ -378,7 +379,7 @@ class NgramEngineMachine(SpeculatingEngineMachine):
 
 
 NgramEngineMachine.TestCase.settings = machine_settings(100)
-TestNgramEngineStateMachine = NgramEngineMachine.TestCase
+TestNgramEngineStateMachine = pytest.mark.slow(NgramEngineMachine.TestCase)
 
 
 class TieredEngineMachine(EngineMachine):
@@ -429,4 +430,4 @@ class TieredEngineMachine(EngineMachine):
 
 
 TieredEngineMachine.TestCase.settings = machine_settings(100)
-TestTieredEngineStateMachine = TieredEngineMachine.TestCase
+TestTieredEngineStateMachine = pytest.mark.slow(TieredEngineMachine.TestCase)
