@@ -19,8 +19,10 @@ import tests.profiles  # noqa: F401  (registers the profiles before one is loade
 DEPTHS = ("unit", "engine", "models", "e2e", "cluster")
 TESTS = Path(__file__).parent
 
-# `--hypothesis-profile` still wins: Hypothesis's plugin loads it later, in pytest_configure.
-settings.load_profile(os.environ.get("FERRUM_HYPOTHESIS_PROFILE", "ci"))
+# Unset: Hypothesis's own choice stays (default, or ci on a CI machine). `--hypothesis-profile`
+# still wins: Hypothesis's plugin loads it later, in pytest_configure.
+if profile := os.environ.get("FERRUM_HYPOTHESIS_PROFILE"):
+    settings.load_profile(profile)
 
 
 def depth_of(path: Path) -> str:

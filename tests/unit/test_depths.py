@@ -34,8 +34,14 @@ def profile():
         settings.load_profile(before)
 
 
-def test_ci_runs_the_stated_counts_and_dev_a_tenth(profile):
-    profile("ci")
-    assert [examples(n) for n in (200, 40, 15, 1)] == [200, 40, 15, 1]
+def test_default_and_ci_run_the_stated_counts_and_dev_a_tenth(profile):
+    for name in ("default", "ci"):  # Hypothesis's own: what CI runs
+        profile(name)
+        assert [examples(n) for n in (200, 40, 15, 1)] == [200, 40, 15, 1]
     profile("dev")
     assert [examples(n) for n in (200, 40, 15, 1)] == [20, 4, 2, 1]
+
+
+def test_hypothesis_own_ci_profile_is_kept():
+    ci = settings.get_profile("ci")
+    assert ci.derandomize and ci.deadline is None and ci.database is None
