@@ -218,6 +218,7 @@ def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error(cluster):
     wait_for_replicas(url, 2, timeout=120, without=killed)  # Ray started another
 
 
+@pytest.mark.slow
 def test_a_scale_down_finishes_the_requests_of_the_replica_removed(cluster):
     url = cluster["url"]
 

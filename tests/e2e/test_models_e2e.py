@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import ollama
 import openai
+import pytest
 
 from tests.e2e.conftest import running_server
 from tests.models.fake_hub import FakeHub
@@ -52,6 +53,7 @@ def test_plain_serve_chats_on_smollm2_and_the_answer_ends(tmp_path_factory):
         assert cards == {"smollm2-135m-instruct": True, "gemma3-270m": False}
 
 
+@pytest.mark.slow
 def test_pull_then_two_clients_chat_with_different_models_then_they_unload(
     tmp_path_factory, tmp_path
 ):

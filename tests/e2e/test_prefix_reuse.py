@@ -6,6 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+# Minutes on 2 cores (each answer is computed twice, on servers of their own): not everyday.
+pytestmark = pytest.mark.slow
+
 SYSTEM = (
     "You are a meticulous assistant for a small bakery. You know the opening hours (8 to 6), "
     "the menu (bread, croissants, cakes, coffee) and the prices. Answer in one sentence. "

@@ -18,6 +18,9 @@ import pytest
 
 from tests.e2e.conftest import running_server
 
+# Two servers of its own and minutes on 2 cores: not everyday.
+pytestmark = pytest.mark.slow
+
 SMOLLM2 = ("smollm2-135m-instruct",)
 # 1,024 cells: two of these ~530-token prompts fit, a third pushes the oldest out. No
 # speculation: its verification batches would add batch-shape noise of their own.

@@ -8,6 +8,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from scripts import soak
@@ -67,6 +68,7 @@ def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
     assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 def test_short_soak_leaves_the_server_whole():
     # With a few faked "no KV slot" decodes: the split retry must absorb them (0 failures).
     args = ["--minutes", "0.5", "--workers", "4", "--max-rss-growth", "0.2"]

@@ -28,6 +28,7 @@ from ferrum.engine.llama.embedding_runner import _POOLING_TYPES, EmbeddingRunner
 from ferrum.errors import EngineError, InvalidRequest, ModelLoadError, TooManyRequests
 from tests import embedding_model
 from tests.embedding_model import reference_embeddings, write_minilm_gguf
+from tests.profiles import examples
 
 TEXTS = [
     "A man is eating food.",
@@ -503,7 +504,7 @@ def test_random_traffic_is_answered_as_alone_in_arrival_order_within_limits(besi
 _TOKENS = st.lists(st.integers(0, 899), min_size=1, max_size=16)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(st.lists(_TOKENS, min_size=1, max_size=4), min_size=1, max_size=10),
     cancel=st.sets(st.integers(0, 9), max_size=3),

@@ -60,6 +60,7 @@ def _distance(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[t] - b[t]) for t in common)
 
 
+@pytest.mark.slow
 def test_lost_window_is_never_copied_and_a_whole_one_is(default_model):
     rng = random.Random(2)
 

@@ -19,6 +19,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.llama.runner import LlamaRunner
 from tests.factories import run_to_completion, sampling
+from tests.profiles import examples
 from tests.tiny_models import BOS_ID
 from tests.unit.test_engine_state_machine import EngineMachine
 
@@ -109,7 +110,7 @@ def test_sliding_window_state_machine(tiny_gemma3):
     try:
         machine = SlidingWindowMachine.TestCase()
         machine.settings = settings(
-            max_examples=60,
+            max_examples=examples(60),
             stateful_step_count=40,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -7,7 +7,8 @@ and afterwards the server must be whole: healthy, no request held, the KV ledger
 parked prefixes holding blocks. Streams the fuzzer stops reading are hang-ups, so the disconnect
 path is fuzzed too.
 
-FERRUM_FUZZ_EXAMPLES raises the examples per operation and mode (default 40, ~15 s).
+FERRUM_FUZZ_EXAMPLES sets the examples per operation and mode (default 40 under the ci profile,
+~15 s; a tenth under dev: tests/profiles.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.factories import fake_app
+from tests.profiles import examples
 
-EXAMPLES = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", examples(40)))
 RESPONSE_TIMEOUT_S = 20  # the fake model answers in milliseconds: longer is a hang
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 
@@ -89,6 +91,7 @@ def app():
         asgi.shutdown_lifespans()  # stops the engine thread the fuzzer's client started
 
 
+@pytest.mark.slow
 def test_the_api_survives_fuzzing_of_its_own_schema(app, capsys):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     tally: Counter = Counter()

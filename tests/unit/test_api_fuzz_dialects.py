@@ -6,7 +6,8 @@ numbers ("NaN", "Infinity", "1e999") and map keys that look like token ids ("²"
 
 Each case is a valid body with a few of its fields (or new ones) replaced by such values. No
 response may be a 5xx, every 4xx must carry its route's error shape, and afterwards the
-server must be whole. FERRUM_FUZZ_EXAMPLES raises the examples per route (default 40).
+server must be whole. FERRUM_FUZZ_EXAMPLES sets the examples per route (default 40 under the
+ci profile, a tenth under dev: tests/profiles.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.factories import FakeEmbedder, FakeRunner, fake_app
+from tests.profiles import examples
 
-EXAMPLES = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", examples(40)))
 HI = [{"role": "user", "content": "hi"}]
 
 Path = tuple[str | int, ...]

@@ -17,6 +17,7 @@ from tests.factories import (
     run_to_completion,
     sampling,
 )
+from tests.profiles import examples
 
 PROMPTS = ["hello", "a much longer prompt that needs several chunks " * 3, "x", "ünïcødé ✓"]
 
@@ -141,7 +142,7 @@ def test_context_rules():
     assert engine.clamp_max_tokens(10, 3) == 3
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(
         st.tuples(

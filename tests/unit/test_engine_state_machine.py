@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -39,6 +40,7 @@ from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
+from tests.profiles import examples
 
 ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
 KINDS = ["fresh", "same", "extend", "branch", "turn"]
@@ -109,7 +111,7 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 def machine_settings(max_examples: int) -> settings:
     """Random runs of 50 steps each; slow examples are fine (the pump does real work)."""
     return settings(
-        max_examples=max_examples,
+        max_examples=examples(max_examples),
         stateful_step_count=50,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -331,7 +333,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = machine_settings(200)
-TestEngineStateMachine = EngineMachine.TestCase
+TestEngineStateMachine = pytest.mark.slow(EngineMachine.TestCase)
 
 
 class SpeculatingEngineMachine(EngineMachine):
@@ -358,7 +360,7 @@ class SpeculatingEngineMachine(EngineMachine):
 
 
 SpeculatingEngineMachine.TestCase.settings = machine_settings(100)
-TestSpeculatingEngineStateMachine = SpeculatingEngineMachine.TestCase
+TestSpeculatingEngineStateMachine = pytest.mark.slow(SpeculatingEngineMachine.TestCase)
 
 
 class NgramEngineMachine(SpeculatingEngineMachine):
@@ -377,7 +379,7 @@ class NgramEngineMachine(SpeculatingEngineMachine):
 
 
 NgramEngineMachine.TestCase.settings = machine_settings(100)
-TestNgramEngineStateMachine = NgramEngineMachine.TestCase
+TestNgramEngineStateMachine = pytest.mark.slow(NgramEngineMachine.TestCase)
 
 
 class TieredEngineMachine(EngineMachine):
@@ -428,4 +430,4 @@ class TieredEngineMachine(EngineMachine):
 
 
 TieredEngineMachine.TestCase.settings = machine_settings(100)
-TestTieredEngineStateMachine = TieredEngineMachine.TestCase
+TestTieredEngineStateMachine = pytest.mark.slow(TieredEngineMachine.TestCase)

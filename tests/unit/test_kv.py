@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ferrum.engine.kv.ledger import BlockManager, IntegrityError, PageTable, SeqIdPool, blocks_for
+from tests.profiles import examples
 
 
 def test_blocks_for_rounds_up():
@@ -135,4 +136,4 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 TestLedger = LedgerMachine.TestCase
-TestLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestLedger.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)

@@ -13,6 +13,7 @@ from ferrum.engine.contracts import TokenLogprobs
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.text import TextPipeline
 from tests.factories import fake_app, fake_engine, run_to_completion, sampling
+from tests.profiles import examples
 
 # A vocabulary of multi-byte pieces: tokens split characters, stop strings straddle tokens.
 PIECES = ["a", "b", "ab", "é".encode()[:1], "é".encode()[1:], "€".encode(), " x", "!"]
@@ -42,7 +43,7 @@ def _run(tokens: list[int], stop: list[str]) -> tuple[str, list[str]]:
     return "".join(content), texts
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, len(PIECES) - 1), max_size=30),
     stop=st.lists(st.sampled_from(["b", "ab!", "é x", "x!", "€€"]), max_size=2),

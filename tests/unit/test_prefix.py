@@ -16,6 +16,7 @@ from tests.factories import (
     run_to_completion,
     sampling,
 )
+from tests.profiles import examples
 
 SYSTEM = "You are a careful assistant. Answer in one short line. " * 2  # 112 bytes
 
@@ -133,7 +134,7 @@ def test_recurrent_models_never_copy_state_but_continue_their_own():
     assert b["final"].cached_tokens > 0 and b["content"] == _fresh(follow)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     plan=st.lists(
         st.tuples(

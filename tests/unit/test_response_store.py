@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ferrum.api.responses.bodies import size_of
 from ferrum.api.responses.store import ResponseStore
 from ferrum.errors import NotFound
+from tests.profiles import examples
 
 MAX_BYTES = 2000
 MAX_ENTRIES = 6
@@ -101,4 +102,6 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestResponseStore = StoreMachine.TestCase
-TestResponseStore.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestResponseStore.settings = settings(
+    max_examples=examples(200), stateful_step_count=40, deadline=None
+)

@@ -15,8 +15,9 @@ from ferrum.engine.text import (
     TextPipeline,
     ThinkSplitter,
 )
+from tests.profiles import examples
 
-FAST = settings(max_examples=200, deadline=None)
+FAST = settings(max_examples=examples(200), deadline=None)
 
 # Small alphabets so that stop strings and tags actually occur in random text.
 PIECES = ["a", "b", "c", " ", "\n", "é", "€", "😀", "<", ">", "/", "think", "<think>", "</think>"]

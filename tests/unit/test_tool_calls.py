@@ -21,6 +21,7 @@ from ferrum.api.prompting.tool_calls import (
     ToolFormat,
     detect_format,
 )
+from tests.profiles import examples
 
 PARIS = {"city": "Paris"}
 OSLO = {"city": "Oslo", "unit": "celsius"}
@@ -123,7 +124,7 @@ def test_streaming_token_by_token_equals_whole(fmt, text, content, calls):
     assert got_content == content and _calls(got_calls) == calls
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data())
 def test_streaming_in_random_chunks_equals_whole(data):
     fmt, text, content, calls = data.draw(st.sampled_from(RECORDED))
@@ -135,7 +136,7 @@ def test_streaming_in_random_chunks_equals_whole(data):
     assert [c.index for c in got_calls] == list(range(len(calls)))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     fmt=st.sampled_from(list(FORMATS.values())),
     text=st.text(alphabet=st.sampled_from(list('<>[]{}":,; \n`tool_call/|name')), max_size=60),
