@@ -31,6 +31,7 @@ from ferrum.api.embeddings import EmbeddingRequest, RerankRequest, embeddings, r
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.ollama import add_ollama_routes, speaks_ollama
 from ferrum.api.ollama import error_response as ollama_error
+from ferrum.api.ollama import running as ollama_running
 from ferrum.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,6 +51,7 @@ from ferrum.api.serving import (
     refuse_unfit_text,
     utf8_length,
 )
+from ferrum.api.slots import add_slots_routes
 from ferrum.api.transport import BodyCap, needs_cap, too_large
 from ferrum.errors import (
     AuthenticationError,
@@ -64,6 +66,7 @@ from ferrum.errors import (
 from ferrum.metrics import CONTENT_TYPE
 from ferrum.models.errors import ModelNotFound
 from ferrum.models.registry import ModelSpec
+from ferrum.web import add_pages, is_page
 
 log = logging.getLogger("ferrum.api")
 
@@ -133,12 +136,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:
     """The API key and the body size, as every route checks them first (a cluster's ingress
     too, before it reads a body). The caller found is kept in the request's scope for the
-    routes (`auth.caller_of`). /health answers without a key (liveness only, `health`)."""
+    routes (`auth.caller_of`). /health answers without a key (liveness only, `health`), and
+    so do the browser pages (`ferrum.web`); /slots never does."""
     path = request.url.path
     try:
         remember(request.scope, keys.caller(request.headers))
     except AuthenticationError:
-        if path == "/health" or (path == "/metrics" and public_metrics):
+        # The browser pages hold no data; the routes they call need a key.
+        public = path == "/health" or is_page(path)
+        if public or (path in ("/metrics", "/props") and public_metrics):
             pass
         else:
             client = request.client.host if request.client else "?"
@@ -233,11 +239,14 @@ def _route(app: FastAPI, method: str, path: str) -> Callable[[Handler], Handler]
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    if state.webui:  # first: its `/` answers browsers before the Ollama API's does
+        add_pages(app, plain=ollama_running)
     _add_openai_routes(app, state)
     _add_server_routes(app, state)
     add_responses_routes(functools.partial(_route, app), state)
     add_ollama_routes(app, state)
     add_anthropic_routes(app, state)
+    add_slots_routes(app, state)
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
