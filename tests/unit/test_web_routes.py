@@ -123,3 +123,12 @@ def test_slots_lists_lengths_and_states_never_text_and_ids_only_to_their_owner()
         for t in threads:
             t.join(timeout=30)
         assert all(s["state"] == "idle" for s in c.get("/slots", headers=_bearer(KEY)).json())
+
+
+def test_the_no_webui_flag_reaches_the_server_config():
+    from ferrum.cli import _build, make_parser
+    from ferrum.config import ServerConfig
+
+    args = make_parser().parse_args(["serve", "--no-webui"])
+    assert _build(ServerConfig, args).no_webui is True
+    assert ServerConfig().no_webui is False

@@ -77,9 +77,9 @@ async function answer(chat) {
     temperature: Number(settings.temperature), max_tokens: Number(settings.max_tokens),
   };
   chat.messages.push(msg);
-  const view = renderMessages(chat).lastChild;
-  running = new AbortController();
+  running = new AbortController(); // first: no Edit or Regenerate while it streams
   setBusy(true);
+  const view = renderMessages(chat).lastChild;
   const start = performance.now();
   let first = null, pieces = 0, pending = false;
   const paint = () => { pending = false; fillMessage(view, msg, chat); };
