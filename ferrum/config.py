@@ -267,6 +267,14 @@ class ServerConfig:
             help="keep <think>…</think> in content instead of reasoning_content",
         ),
     )
+    no_webui: bool = field(
+        default=False,
+        metadata=_flag(
+            "--no-webui",
+            help="turn off the browser pages: the chat at / and the engine's live view at "
+            "/dashboard (the API routes they use stay)",
+        ),
+    )
     log_level: str = field(
         default="info", metadata=_flag("--log-level", help="debug, info, warning or error")
     )

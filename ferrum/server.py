@@ -223,6 +223,7 @@ def build_server(
             server_cfg.api_key, server_cfg.admin_key, server_cfg.keys_file, server_cfg.open_admin
         ),
         public_metrics=server_cfg.public_metrics,
+        webui=not server_cfg.no_webui,
         share_prefix_cache=server_cfg.share_prefix_cache,
         max_keep_alive=parse_duration(server_cfg.max_keep_alive),
         request_timeout=server_cfg.request_timeout,

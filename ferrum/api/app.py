@@ -27,13 +27,16 @@ from ferrum.api.auth import Keys, remember
 from ferrum.api.body_text import SurrogateCheck
 from ferrum.api.dialects import error_response
 from ferrum.api.ollama import add_ollama_routes
+from ferrum.api.ollama import running as ollama_running
 from ferrum.api.openai.bodies import invalid_request
 from ferrum.api.openai.routes import add_openai_routes, route
 from ferrum.api.responses import add_responses_routes
 from ferrum.api.server_routes import add_server_routes
 from ferrum.api.serving import ServerState
+from ferrum.api.slots import add_slots_routes
 from ferrum.api.transport import BodyCap, needs_cap, too_large
 from ferrum.errors import AuthenticationError, ClientGone, FerrumError, InvalidRequest, NotFound
+from ferrum.web import add_pages, is_page
 
 log = logging.getLogger("ferrum.api")
 
@@ -65,12 +68,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:
     """The API key and the body size, as every route checks them first (a cluster's ingress
     too, before it reads a body). The caller found is kept in the request's scope for the
-    routes (`auth.caller_of`). /health answers without a key (liveness only, `health`)."""
+    routes (`auth.caller_of`). /health answers without a key (liveness only, `health`), and
+    so do the browser pages (`ferrum.web`); /slots never does."""
     path = request.url.path
     try:
         remember(request.scope, keys.caller(request.headers))
     except AuthenticationError:
-        if path == "/health" or (path == "/metrics" and public_metrics):
+        # The browser pages hold no data; the routes they call need a key.
+        public = path == "/health" or is_page(path)
+        if public or (path in ("/metrics", "/props") and public_metrics):
             pass
         else:
             client = request.client.host if request.client else "?"
@@ -150,9 +156,12 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    """Each dialect's routes, and the server's own."""
+    """Each dialect's routes, the server's own, and the browser pages."""
+    if state.webui:  # first: its `/` answers browsers before the Ollama API's does
+        add_pages(app, plain=ollama_running)
     add_openai_routes(app, state)
     add_server_routes(app, state)
     add_responses_routes(functools.partial(route, app), state)
     add_ollama_routes(app, state)
     add_anthropic_routes(app, state)
+    add_slots_routes(app, state)

@@ -53,6 +53,7 @@ class ServerState:
     pulls: PullWorkers = field(default_factory=PullWorkers)  # the threads pulls run on
     keys: Keys = field(default_factory=Keys)
     public_metrics: bool = False
+    webui: bool = True  # the chat page at / and the dashboard (not --no-webui)
     share_prefix_cache: bool = False  # --share-prefix-cache: one cache scope for every key
     max_keep_alive: float = 3600.0  # --max-keep-alive: the most a user key may ask for
     split_think: bool = True

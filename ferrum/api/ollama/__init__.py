@@ -43,6 +43,11 @@ Handler = Callable[[Request], Awaitable[Response]]
 Route = Callable[[str, str], Callable[[Handler], Handler]]
 
 
+def running() -> PlainTextResponse:
+    """What `GET /` answers a client that is not a browser: Ollama's clients probe it."""
+    return PlainTextResponse("ferrum is running (Ollama-compatible API on /api)")
+
+
 def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
     """The Ollama API's routes; any other /api path is a 404 in Ollama's shape."""
     route: Route = functools.partial(_api, app)
@@ -56,7 +61,7 @@ def add_ollama_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> PlainTextResponse:
-        return PlainTextResponse("ferrum is running (Ollama-compatible API on /api)")
+        return running()
 
     add_store_routes(route, state)
 
