@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 
 from ferrum.api.auth import caller_of
 from ferrum.api.loaded import ServedModel
+from ferrum.api.openai.routes import route
 from ferrum.api.serving import ServerState
 from ferrum.engine.slots import EngineView, SlotView, engine_view
 from ferrum.errors import ServiceUnavailable
@@ -102,7 +103,8 @@ def _props_json(state: ServerState, model: ServedModel, view: EngineView | None)
 
 
 def add_slots_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/slots")
+    # `route` documents the error shapes these answer (the API fuzzer checks the schema).
+    @route(app, "GET", "/slots")
     async def slots(request: Request, model: str | None = None) -> list[Any]:
         caller = caller_of(request)
         everyone = not state.keys.required or caller.admin
@@ -119,7 +121,7 @@ def add_slots_routes(app: FastAPI, state: ServerState) -> None:
                 out.append(_slot_json(i, served.name, view, slot, shown))
         return out
 
-    @app.get("/props")
+    @route(app, "GET", "/props")
     async def props(model: str | None = None) -> Any:
         name = model if model is not None else state.models.default
         found = _served(state, name)
