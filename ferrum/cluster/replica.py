@@ -31,7 +31,6 @@ from typing import Any
 import ray
 from ray import serve
 
-from ferrum.api.auth import Keys
 from ferrum.api.loaded import ServedModel
 from ferrum.api.serving import ServerState
 from ferrum.cluster.board import board_name
@@ -117,8 +116,7 @@ class FerrumReplica:
 
     async def _get(self, path: str) -> bytes:
         headers = []
-        server = self.settings.server
-        key = Keys.from_config(server.api_key, server.admin_key, server.keys_file, False).first
+        key = self.state.keys.first  # the app's own keys: no keys file read each period
         if key:  # an admin key if any: /health's details need a key
             headers.append((b"authorization", f"Bearer {key}".encode()))
         chunks = []
