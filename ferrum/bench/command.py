@@ -49,6 +49,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="base URL of an OpenAI-compatible server (the url arm)")
     p.add_argument("--quick", action="store_true", help="a few minutes: a smoke test")
     p.add_argument("--port", type=int, default=18093, help="port the started servers listen on")
+    p.add_argument(
+        "--study",
+        help="run one study instead of the workloads: burst, stalls, soak, embeddings, "
+        "structured, models, speculation, speculation-agreement, speculation-gate, tiers, "
+        "cluster, kernels, router",
+    )
+    p.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH",
+        help="(studies) an arm NAME: ferrum from the code tree PATH, e.g. a worktree of an "
+        "older commit (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="options",
+        help="(studies) a study's own knob, e.g. --set clients=8 (repeatable)",
+    )  # fmt: skip
 
 
 def _parse_list(text: str) -> list[str]:
@@ -123,7 +138,7 @@ def _machine() -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _run(args)
+        return _run_study(args) if args.study else _run(args)
     except ValueError as exc:
         print(f"ferrum bench: error: {exc}", file=sys.stderr)
         return 2
@@ -132,6 +147,33 @@ def run(args: argparse.Namespace) -> int:
             f"ferrum bench: {exc}; install the extra: pip install 'ferrum[bench]'", file=sys.stderr
         )
         return 2
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    from ferrum.bench.studies import StudyRun, load, parse_pairs, run_study
+    from ferrum.config import physical_cores
+
+    study = load(args.study)
+    rounds = args.rounds or (study.quick_rounds if args.quick else study.default_rounds)
+    trees = {k: Path(v).resolve() for k, v in parse_pairs(args.tree, "--tree").items()}
+    for name, path in trees.items():
+        if not (path / "ferrum").is_dir():
+            raise ValueError(f"--tree {name}={path}: no ferrum package there")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run = StudyRun(
+        name=study.name,
+        out=Path(args.out or Path("bench") / "results" / f"{study.name}-{stamp}"),
+        rounds=rounds,
+        threads=args.threads or physical_cores(),
+        quick=args.quick,
+        arms=_parse_list(args.arms) if args.arms != "auto" else None,
+        trees=trees,
+        options=parse_pairs(args.options, "--set"),
+        model=args.model,
+    )
+    print(f"ferrum bench --study {study.name}: {study.title}; {rounds} rounds -> {run.out}",
+          file=sys.stderr)  # fmt: skip
+    return run_study(run, study)
 
 
 def _plan(args: argparse.Namespace) -> Any:
