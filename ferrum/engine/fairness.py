@@ -16,6 +16,13 @@ generated `min_tokens` tokens since its latest admission, so a request preempted
 fairness is never preempted again right after it resumes, and one still prefilling is not
 interrupted (its prompt would be wasted work).
 
+First token first (`fast_lane`): a slot alone does not make a short chat quick while one
+tenant's many sequences fill the batch, because its first token comes out of a step that also
+decodes all of them. So when the request admitted next is a fresh one (no token yet, never
+admitted) of a tenant below its share, it is admitted ahead of the step's decodes and the
+tenants above their share sit that step out; a tenant that sat out the step before never sits
+out the next one, so it keeps at least every other step whatever arrives.
+
 Pure: it reads the scheduler's queues and says what to do; the scheduler does it.
 """
 
@@ -41,6 +48,28 @@ class FairShare:
         held = Counter(tenant_of(r) for r in running)
         # min keeps the first of equals: FIFO among ties and within a tenant.
         return min(candidates, key=lambda r: held[tenant_of(r)])
+
+    def fast_lane(
+        self,
+        waiting: Sequence[Request],
+        running: Sequence[Request],
+        max_running: int,
+        sat_out_before: frozenset[str],
+    ) -> tuple[Request, frozenset[str]] | None:
+        """The fresh request to admit before this step's decodes and the tenants whose work
+        sits the step out; None when no tenant is above its share or the next is no newcomer."""
+        if not waiting or len(running) >= max_running:
+            return None
+        req = self.pick(waiting, running)
+        if req.admitted or req.num_output_tokens:
+            return None
+        held = Counter(tenant_of(r) for r in running)
+        share = max(1, max_running // len(held.keys() | {tenant_of(r) for r in waiting}))
+        mine = tenant_of(req)
+        if held[mine] >= share:
+            return None
+        over = frozenset(t for t, n in held.items() if n > share) - sat_out_before - {mine}
+        return (req, over) if over else None
 
     def victims(
         self, waiting: Sequence[Request], running: Sequence[Request], max_running: int

@@ -28,7 +28,10 @@ waiting tenant holds less than its share of full slots, the tenant most above it
 up its newest request that has generated `min_tokens` since its admission (anti-thrashing):
 that one's sequence is parked, not cleared, so its re-admission takes it over through the
 prefix index and continues where it stopped instead of recomputing it (its output is kept
-either way; without a prefix cache it is recomputed like a preemption for memory).
+either way; without a prefix cache it is recomputed like a preemption for memory). A fresh
+request of a tenant below its share is admitted before the step's decodes, and the tenants
+above their share sit that one step out (`FairShare.fast_lane`): its first token does not
+wait for theirs.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ferrum.engine.fairness import FairShare
 from ferrum.engine.kv.ledger import IntegrityError
-from ferrum.engine.kv.residency import KVManager
+from ferrum.engine.kv.residency import KVManager, Reuse
 from ferrum.engine.request import FinishReason, Request, RequestStatus
 from ferrum.engine.speculation.speculator import Speculator
 
@@ -94,6 +97,7 @@ class Scheduler:
         self._watermark = int(kv.blocks.num_blocks * watermark)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._sat_out: frozenset[str] = frozenset()  # tenants that sat out the last step
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -130,15 +134,35 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.token_budget
         self._share_out(out)
-        budget = self._schedule_decodes(out, budget)
-        budget = self._schedule_running_prefills(out, budget)
+        sitting_out = self._fast_lane()
+        budget = self._schedule_decodes(out, budget, sitting_out)
+        budget = self._schedule_running_prefills(out, budget, sitting_out)
         self._admit(out, budget)
         if out.chunks:
             self.kv.bound_parked(self.running)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+    def _fast_lane(self) -> frozenset[str]:
+        """Admits a newcomer of a tenant below its share ahead of the decodes (its chunk is
+        scheduled with the running prefills); the tenants that sit this step out."""
+        lane = self.fairness.fast_lane(self.waiting, self.running, self.max_running, self._sat_out)
+        self._sat_out = frozenset()
+        if lane is None:
+            return frozenset()
+        req, over = lane
+        reuse = self.kv.plan(req)
+        if reuse is None or not self._admit_one(req, reuse):
+            return frozenset()  # not admitted: nobody sits out for it
+        self._sat_out = over
+        return over
+
+    def _schedule_decodes(
+        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str]
+    ) -> int:
+        decoding = [
+            r for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and r.params.tenant not in sitting_out
+        ]  # fmt: skip
         chunks = []
         for req in decoding:
             if budget == 0:
@@ -169,12 +193,14 @@ class Scheduler:
                 placed += len(draft)
         return placed
 
-    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running_prefills(
+        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str]
+    ) -> int:
         for req in self.running:
             remaining = req.num_tokens - req.num_computed_tokens
             if budget == 0:
                 break
-            if remaining <= 1:
+            if remaining <= 1 or req.params.tenant in sitting_out:
                 continue
             n = min(remaining, budget)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
@@ -197,20 +223,27 @@ class Scheduler:
             if reuse is None:
                 passed.add(id(req))  # its donor is computing the shared prefix: others first
                 continue
-            keep_free = self._watermark if self.running else 0
-            reused = self.kv.admit(req, reuse, keep_free)
-            if reused is None:
+            if not self._admit_one(req, reuse):
                 break  # in order: later requests wait behind one that does not fit
-            if not req.admitted:
-                req.num_cached_tokens, req.admitted = reused, True
-            req.num_computed_tokens = reused
-            req.output_at_admission = req.num_output_tokens
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+
+    def _admit_one(self, req: Request, reuse: Reuse) -> bool:
+        """Moves `req` from waiting to running on the blocks `reuse` planned; False when they
+        do not fit."""
+        keep_free = self._watermark if self.running else 0
+        reused = self.kv.admit(req, reuse, keep_free)
+        if reused is None:
+            return False
+        if not req.admitted:
+            req.num_cached_tokens, req.admitted = reused, True
+        req.num_computed_tokens = reused
+        req.output_at_admission = req.num_output_tokens
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
 
     def _grow_or_preempt(self, req: Request, out: SchedulerOutput) -> bool:
         """Room for req's next position, preempting newer requests; False if req itself went."""

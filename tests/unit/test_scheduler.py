@@ -233,3 +233,49 @@ def test_a_request_preempted_for_fairness_resumes_its_parked_sequence_with_the_s
     for rid in prompts:
         assert results[rid]["final"].finish_reason == "length"
     assert victim.output_token_ids == expected_tokens(prompts[victim.request_id], 30)
+
+
+def test_a_newcomers_first_step_leaves_out_the_tenants_above_their_share_for_one_step():
+    s = _sched(256, 4, 8, 512)
+    for i in range(6):  # A: one request with n=6 (one tenant) ...
+        s.add(_tenant_req(f"flood-{i}", "A"))
+    s.add(_tenant_req("c", "C"))  # ... and C, one request: both already decoding
+    for _ in range(6):
+        _advance(s.schedule())
+    s.add(_tenant_req("chat", "B", max_tokens=2))
+    out = s.schedule()
+    # A holds 6 of 8 slots (share 8 // 3 = 2): it sits out the chat's first step; C (at its
+    # share) decodes beside it. Without the lane the chat's step would decode all seven.
+    assert _ids(out) == ["c", "chat"] and not out.preempted
+    _advance(out)
+    assert set(_ids(s.schedule())) == {f"flood-{i}" for i in range(6)} | {"c", "chat"}
+    s.check_integrity()
+
+
+def test_a_tenant_that_sat_out_a_step_decodes_in_the_next_whatever_arrives():
+    s = _sched(256, 4, 8, 512)
+    for i in range(6):
+        s.add(_tenant_req(f"flood-{i}", "A"))
+    for _ in range(6):
+        _advance(s.schedule())
+    flood = {f"flood-{i}" for i in range(6)}
+    seen = []
+    for k in range(3):  # a new chat of a new tenant before every step
+        s.add(_tenant_req(f"chat-{k}", f"B{k}", max_tokens=50))
+        out = s.schedule()
+        seen.append(flood <= set(_ids(out)))
+        _advance(out)
+    assert seen == [False, True, False]  # every other step at worst
+    s.check_integrity()
+
+
+def test_a_newcomer_that_does_not_fit_makes_nobody_sit_out():
+    s = _sched(12, 4, 8, 512)  # 12 blocks of 4: the flood holds most of them
+    for i in range(4):
+        s.add(_tenant_req(f"flood-{i}", "A", n_prompt=6))
+    for _ in range(2):
+        _advance(s.schedule())
+    s.add(_tenant_req("chat", "B", n_prompt=40))  # needs 11 blocks: waits
+    out = s.schedule()
+    assert {f"flood-{i}" for i in range(4)} <= set(_ids(out)) and "chat" not in _ids(out)
+    s.check_integrity()
