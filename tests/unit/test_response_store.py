@@ -1,6 +1,7 @@
-"""The Responses store under random traffic of two keys, against a plain LRU model of it: the
-same entries survive, bounds always hold, a conversation reads back whole or not at all, and
-one key never reads, continues or deletes the other's responses (they do not exist for it)."""
+"""The Responses store under random traffic of two keys, against a model of it (LRU within the
+key holding the most bytes): the same entries survive, bounds always hold, a conversation reads
+back whole or not at all, and one key never reads, continues or deletes the other's responses
+(they do not exist for it)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _touch(self, rid: str) -> None:
         self.model.move_to_end(rid)
 
-    @rule(
-        text=st.text(max_size=400), parent=st.integers(0, 20), root=st.booleans(), owner=OWNERS
-    )
+    @rule(text=st.text(max_size=400), parent=st.integers(0, 20), root=st.booleans(), owner=OWNERS)
     def put(self, text: str, parent: int, root: bool, owner: str) -> None:
         rid = f"resp_{self.count}"
         self.count += 1
@@ -48,7 +47,11 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self.model[rid] = (size, parent_id, messages, owner)
         while sum(e[0] for e in self.model.values()) > MAX_BYTES or len(self.model) > MAX_ENTRIES:
-            self.model.popitem(last=False)
+            held: dict[str, int] = {}
+            for size_, _, _, who in self.model.values():
+                held[who] = held.get(who, 0) + size_
+            heaviest = {who for who, n in held.items() if n == max(held.values())}
+            del self.model[next(r for r, e in self.model.items() if e[3] in heaviest)]
 
     @precondition(lambda self: self.count > 0)
     @rule(pick=st.integers(0, 40), owner=OWNERS)
@@ -105,3 +108,13 @@ TestResponseStore = StoreMachine.TestCase
 TestResponseStore.settings = settings(
     max_examples=examples(200), stateful_step_count=40, deadline=None
 )
+
+
+def test_one_key_flooding_the_store_evicts_its_own_responses_first():
+    store = ResponseStore(max_bytes=4000, max_entries=100)
+    mine = {"id": "resp_b", "output_text": "a short answer"}
+    store.put(mine, [{"role": "user", "content": "q"}], None, "key:b")
+    for i in range(200):  # key a stores far more than the store holds
+        store.put({"id": f"resp_a{i}", "output_text": "x" * 100}, [], None, "key:a")
+    assert store.get("resp_b", "key:b").response == mine
+    assert store.bytes <= 4000

@@ -9,6 +9,9 @@ has been evicted in part is refused (404) rather than answered without it.
 
 Each entry belongs to the tenant (`ferrum.api.auth`) whose key made it: for any other key it
 does not exist (the same 404 as a response never stored, so no key learns which ids exist).
+When the store is full, the entry to go is the least recently used of the tenant holding the
+most bytes (ties: the one whose entry is oldest), so one key storing a flood of responses
+evicts its own before anyone else's; with one tenant this is plain LRU.
 
 The store lives on the event loop: no locks.
 """
@@ -39,6 +42,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._owner_bytes: dict[str, int] = {}
         self.bytes = 0
 
     @property
@@ -59,10 +63,23 @@ class ResponseStore:
             return  # larger than the whole store: keeping it would evict everything else
         self.delete(response["id"], owner)
         self._entries[response["id"]] = entry
-        self.bytes += entry.size
+        self._count(entry, +1)
         while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
-            _, oldest = self._entries.popitem(last=False)
-            self.bytes -= oldest.size
+            self._evict_one()
+
+    def _count(self, entry: Stored, sign: int) -> None:
+        self.bytes += sign * entry.size
+        held = self._owner_bytes.get(entry.owner, 0) + sign * entry.size
+        if held:
+            self._owner_bytes[entry.owner] = held
+        else:
+            self._owner_bytes.pop(entry.owner, None)
+
+    def _evict_one(self) -> None:
+        most = max(self._owner_bytes.values())
+        heaviest = {o for o, n in self._owner_bytes.items() if n == most}
+        rid = next(r for r, e in self._entries.items() if e.owner in heaviest)
+        self._count(self._entries.pop(rid), -1)
 
     def get(self, response_id: str, owner: str) -> Stored:
         entry = self._entries.get(response_id)
@@ -80,7 +97,7 @@ class ResponseStore:
         if entry is None or entry.owner != owner:
             return False
         del self._entries[response_id]
-        self.bytes -= entry.size
+        self._count(entry, -1)
         return True
 
     def conversation(
