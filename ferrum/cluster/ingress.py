@@ -72,7 +72,10 @@ class Relay:
         store = ModelStore(models.models_dir or default_models_dir())
         specs = serve_specs(models.model, store, load_presets(models.presets))
         self.keys = key_registry(
-            specs, settings.server.chat_template, parse_duration(models.keep_alive)
+            specs,
+            settings.server.chat_template,
+            parse_duration(models.keep_alive),
+            settings.engine.ctx_size,
         )
         self._keys_started = False
         self._no_keys: dict[str, float] = {}  # model → until when it is not tried again

@@ -9,7 +9,10 @@ prefix router matches against what replicas hold.
 The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
 caller the gate found, the body's `cache_salt` and `--share-prefix-cache`), as a replica's
 prefix index chains it: a prompt only matches blocks its own scope left.
-A body that does not parse gets no hashes (the replica it lands on answers the error).
+A body that does not parse gets no hashes (the replica it lands on answers the error), and
+neither does a prompt whose text is too long for the model's context whatever it tokenizes to
+(as `ferrum serve` refuses it before tokenizing): tokenizing megabytes would cost the
+ingress's threads seconds for a request the replica refuses anyway.
 
 Each model's vocabulary is loaded on first use and unloaded when idle by a `Registry`, as a
 server's models are.
@@ -43,9 +46,15 @@ class PromptKeys:
     file: VocabularyFile
     formatter: ChatFormatter
     system: str
+    ctx_size: int  # the replicas' context for this model (the preset's or the server's)
+
+    @property
+    def max_text_bytes(self) -> int:
+        """The most prompt text the model's context could hold (its longest token each)."""
+        return self.ctx_size * self.file.vocab.max_token_bytes()
 
     @classmethod
-    def load(cls, spec: ModelSpec, server_template: str) -> PromptKeys:
+    def load(cls, spec: ModelSpec, server_template: str, ctx_size: int) -> PromptKeys:
         file = VocabularyFile(spec.locate())
         try:
             template = spec.preset.chat_template or server_template
@@ -54,7 +63,8 @@ class PromptKeys:
         except Exception:
             file.close()
             raise
-        return cls(spec.name, file, formatter, spec.preset.system)
+        ctx = spec.preset.engine.get("ctx_size", ctx_size)
+        return cls(spec.name, file, formatter, spec.preset.system, ctx)
 
     def tokens(self, body: Body) -> list[int]:
         if isinstance(body, CompletionRequest):
@@ -102,6 +112,8 @@ def parse_body(path: str, raw: bytes) -> tuple[str, Body] | None:
 def route_key(keys: PromptKeys, body: Body, block_size: int, scope: str) -> RouteKey:
     """The prefix router's key of a parsed body: its prompt's block hashes in the request's
     cache `scope` (call it in a worker thread: rendering and tokenizing take CPU time)."""
+    if len(prompt_text(body).encode("utf-8", "surrogatepass")) > keys.max_text_bytes:
+        return RouteKey(keys.name)  # the replica refuses it before tokenizing: so do we
     try:
         tokens = keys.tokens(body)
     except Exception:  # noqa: BLE001 - a template that refuses the chat: the replica says so
@@ -110,10 +122,10 @@ def route_key(keys: PromptKeys, body: Body, block_size: int, scope: str) -> Rout
 
 
 def key_registry(
-    specs: list[ModelSpec], server_template: str, keep_alive: float
+    specs: list[ModelSpec], server_template: str, keep_alive: float, ctx_size: int
 ) -> Registry[PromptKeys]:
     async def load(spec: ModelSpec) -> PromptKeys:
-        return await asyncio.to_thread(PromptKeys.load, spec, server_template)
+        return await asyncio.to_thread(PromptKeys.load, spec, server_template, ctx_size)
 
     async def unload(keys: PromptKeys) -> None:
         await asyncio.to_thread(keys.file.close)  # llama.cpp frees the vocabulary: off the loop

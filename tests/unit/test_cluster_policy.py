@@ -190,12 +190,19 @@ class _PromptKeys:
     """What `route_key` needs of a model's prompt keys: its name and the prompt's tokens."""
 
     name = "m"
+    max_text_bytes = 1000
 
     def __init__(self, tokens: list[int]):
         self._tokens = tokens
 
     def tokens(self, body: object) -> list[int]:
         return self._tokens
+
+
+def _completion(text: str) -> object:
+    from ferrum.api.openai.bodies import CompletionRequest
+
+    return CompletionRequest(model="m", prompt=text)
 
 
 def test_route_keys_match_only_the_blocks_of_the_requests_own_scope():
@@ -211,10 +218,22 @@ def test_route_keys_match_only_the_blocks_of_the_requests_own_scope():
     while engine.has_work:
         engine.step()
     held = set(engine.resident_prefixes(1000).hashes)
-    own = route_key(_PromptKeys(prompt), None, BS, "key:a")  # type: ignore[arg-type]
-    other = route_key(_PromptKeys(prompt), None, BS, "key:b")  # type: ignore[arg-type]
+    body = _completion("a prompt long enough for several blocks")
+    own = route_key(_PromptKeys(prompt), body, BS, "key:a")  # type: ignore[arg-type]
+    other = route_key(_PromptKeys(prompt), body, BS, "key:b")  # type: ignore[arg-type]
     assert own.hashes and set(own.hashes) <= held
     assert other.hashes and not set(other.hashes) & held
     index = PrefixIndex(BS)
     index.add(Request("x", prompt, sampling(cache_scope="key:b")))
     assert set(other.hashes) == set(index.resident_hashes(1000))
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_routed_without_tokenizing():
+    from ferrum.cluster.keys import route_key
+
+    class Refuses(_PromptKeys):
+        def tokens(self, body: object) -> list[int]:
+            raise AssertionError("tokenized a prompt the replica refuses unread")
+
+    key = route_key(Refuses([]), _completion("x" * 1001), BS, "key:a")  # type: ignore[arg-type]
+    assert key.model == "m" and not key.hashes
