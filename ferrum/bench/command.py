@@ -62,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", dest="options",
-        help="(studies) a study's own knob, e.g. --set clients=8 (repeatable)",
+        help="a study's own knob (--set bursts=2) or a workload setting "
+        "(--set longctx_clients=16, --set sweep_levels=1,8,32) (repeatable)",
     )  # fmt: skip
 
 
@@ -179,6 +180,7 @@ def _run_study(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> Any:
     from ferrum.bench.arms import build_hint, llama_cpp_build_dir
     from ferrum.bench.harness import Plan
+    from ferrum.bench.studies import parse_pairs
     from ferrum.config import physical_cores
     from ferrum.models import BENCH_MODEL, builtin_path
 
@@ -188,6 +190,7 @@ def _plan(args: argparse.Namespace) -> Any:
             raise ValueError("--rounds must be at least 2 (round 1 is a discarded warm-up)")
         settings = settings.replace(rounds=args.rounds)
     settings = settings.replace(threads=args.threads or physical_cores())
+    settings = settings.with_options(parse_pairs(args.options, "--set"))
     workloads = _parse_list(args.workloads)
     for w in workloads:
         if w not in WORKLOADS:

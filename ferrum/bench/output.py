@@ -45,6 +45,12 @@ def describe(workload: str, s: BenchSettings) -> str:
             f"{s.fair_flood_tokens} tokens per choice and, once each choice streams, short chats "
             f"(new prompts) one after another while they run. Their TTFT beside it against idle."
         )
+    if workload == "longctx":
+        return (
+            f"{s.longctx_clients} clients at once, each its own long prompt (a handbook of "
+            f"{s.longctx_rules} rules, nothing shared beyond the first tokens), "
+            f"{s.longctx_tokens} output tokens each; tok/s = all output tokens / wall time."
+        )
     if workload == "engine":
         batches = ", ".join(map(str, s.engine_batches))
         return (

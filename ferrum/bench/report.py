@@ -76,6 +76,16 @@ def metric_specs(workload: str, s: BenchSettings) -> list[MetricSpec]:
             MetricSpec("flood.chats", "chats sent while the flood ran", "", 0),
             MetricSpec("flood.wall_s", f"the flood ({s.parallel} choices): whole (s)", "lower"),
         ]
+    if workload == "longctx":
+        return [
+            MetricSpec("tps", "whole workload: output tok/s", "higher", 1),
+            MetricSpec("wall_s", "whole workload: wall time (s)", "lower", 1),
+            MetricSpec("ttft_p50", "TTFT p50 (s)", "lower"),
+            MetricSpec("ttft_p99", "TTFT p99 (s)", "lower"),
+            MetricSpec("itl_p50", "inter-token p50 (ms)", "lower", 1, 1000),
+            MetricSpec("itl_p99", "inter-token p99 (ms)", "lower", 1, 1000),
+            MetricSpec("prompt_tokens", "prompt tokens per client (median)", "", 0),
+        ]
     if workload == "engine":
         return [
             MetricSpec(f"b{b}.tps", f"batch {b}: decode tok/s", "higher", 1)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "fairness", "engine")
+WORKLOADS = ("sweep", "burst", "multiturn", "noisy", "fairness", "longctx", "engine")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class BenchSettings:
     fair_chat_tokens: int = 8
     fair_flood_n: int = 8  # choices per flood request (the API's most); parallel / n requests
     fair_flood_tokens: int = 256  # per choice
+    # longctx: `longctx_clients` at once, each its own long prompt (nothing shared beyond the
+    # first few tokens: a RAG service's or a team of agents' work), `longctx_tokens` each
+    longctx_clients: int = 8
+    longctx_rules: int = 46  # handbook lines per prompt (~1,700 Gemma tokens)
+    longctx_tokens: int = 64
     # engine: in-process decode loop vs llama-batched-bench
     engine_batches: tuple[int, ...] = (1, 4, 8, 16)
     engine_prompt_tokens: int = 32
@@ -58,6 +63,23 @@ class BenchSettings:
 
     def replace(self, **changes: Any) -> BenchSettings:
         return dataclasses.replace(self, **changes)
+
+    def with_options(self, options: dict[str, str]) -> BenchSettings:
+        """`--set KEY=VALUE` over these settings: a number or a comma-separated list of
+        numbers, typed as the field's default."""
+        changes: dict[str, Any] = {}
+        for key, text in options.items():
+            if key not in {f.name for f in dataclasses.fields(self)}:
+                raise ValueError(f"--set {key}: no such setting of the workloads")
+            default = getattr(self, key)
+            try:
+                if isinstance(default, tuple):
+                    changes[key] = tuple(int(x) for x in text.split(",") if x.strip())
+                else:
+                    changes[key] = type(default)(text)
+            except ValueError:
+                raise ValueError(f"--set {key}={text!r}: not a valid value") from None
+        return self.replace(**changes)
 
 
 FULL = BenchSettings()
@@ -77,6 +99,9 @@ QUICK = BenchSettings(
     noisy_long_rules=40,
     fair_chats=4,
     fair_flood_tokens=96,
+    longctx_clients=4,
+    longctx_rules=16,
+    longctx_tokens=16,
     engine_batches=(1, 4, 16),
     engine_tokens=16,
     quiet_wait_s=2.0,
@@ -130,6 +155,10 @@ def _workload_seconds(s: BenchSettings, workload: str, serial: bool) -> float:
     if workload == "fairness":
         chats = 2 * _tokens(s.fair_chats, s.fair_chat_tokens, 1, serial)
         return chats + _tokens(s.parallel, s.fair_flood_tokens, s.parallel, serial)
+    if workload == "longctx":
+        prefill = s.longctx_clients * s.longctx_rules * 37 / _PREFILL_TPS
+        clients = s.longctx_clients
+        return prefill + _tokens(clients, s.longctx_tokens, clients, serial)
     if workload == "engine":
         decode = sum(_tokens(b, s.engine_tokens, b, False) for b in s.engine_batches)
         return 2 * (decode + 3.0)  # ferrum's loop and llama-batched-bench, each loads once

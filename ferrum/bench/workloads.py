@@ -246,10 +246,36 @@ async def fairness(ctx: Context) -> tuple[dict, Metrics]:
     return {"idle": idle, "flood_chats": busy, "floods": floods}, metrics
 
 
+# ------------------------------------------------------------------ longctx
+
+
+async def longctx(ctx: Context) -> tuple[dict, Metrics]:
+    """`longctx_clients` unrelated long prompts at one instant, `longctx_tokens` each: the
+    whole workload's output tok/s and wall time, TTFT and inter-token gaps (prefill of the
+    others' prompts interleaved with or ahead of the decodes shows in both)."""
+    s = ctx.settings
+    prompts = [ctx.prompts.long_prompt(s.longctx_rules) for _ in range(s.longctx_clients)]
+    samples, wall = await ctx.gather(prompts, s.longctx_tokens)
+    await fill_counts(ctx.client, ctx.model, samples)
+    gaps = [g for x in samples for g in x.gaps]
+    tokens = sum(x.completion_tokens or 0 for x in samples)
+    metrics: Metrics = {
+        "tps": tokens / wall,
+        "wall_s": wall,
+        "ttft_p50": percentile(_ttfts(samples), 50),
+        "ttft_p99": percentile(_ttfts(samples), 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+        "prompt_tokens": _median_prompt(samples),
+    }
+    return {"samples": samples}, metrics
+
+
 WORKLOADS = {
     "sweep": sweep,
     "burst": burst,
     "multiturn": multiturn,
     "noisy": noisy,
     "fairness": fairness,
+    "longctx": longctx,
 }

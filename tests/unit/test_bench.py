@@ -178,3 +178,38 @@ def test_rate_while_all_busy_counts_until_the_first_client_is_done():
     # A client with no answer, or none at all: no window.
     assert rate_while_all_busy([a, []]) is None
     assert rate_while_all_busy([]) is None
+
+
+def test_set_overrides_workload_settings_typed_and_refuses_unknown_ones():
+    from ferrum.bench.settings import FULL
+
+    s = FULL.with_options({"longctx_clients": "16", "sweep_levels": "1,8,32"})
+    assert s.longctx_clients == 16 and s.sweep_levels == (1, 8, 32)
+    with pytest.raises(ValueError, match="no such setting"):
+        FULL.with_options({"nope": "1"})
+    with pytest.raises(ValueError, match="not a valid value"):
+        FULL.with_options({"longctx_rules": "many"})
+
+
+def test_longctx_sends_unrelated_long_prompts_at_once_and_reports_the_whole_workload():
+    import asyncio
+
+    import httpx
+
+    from ferrum.bench.client import Dialect
+    from ferrum.bench.prompts import PromptSource
+    from ferrum.bench.settings import QUICK
+    from ferrum.bench.workloads import Context, longctx
+    from tests.factories import fake_app
+
+    async def scenario() -> tuple[dict, dict]:
+        transport = httpx.ASGITransport(app=fake_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            small = QUICK.replace(longctx_rules=4)  # the fake model's context: 1,024 bytes
+            ctx = Context(client, "fake", Dialect(), small, PromptSource("s", 2, "longctx"))
+            return await longctx(ctx)
+
+    raw, metrics = asyncio.run(scenario())
+    prompts = [x.prompt for x in raw["samples"]]
+    assert len(prompts) == QUICK.longctx_clients == len(set(prompts))
+    assert metrics["tps"] > 0 and metrics["wall_s"] > 0 and metrics["prompt_tokens"] > 300
