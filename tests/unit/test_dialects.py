@@ -29,6 +29,7 @@ from ferrum.errors import (
     TooManyRequests,
 )
 from tests.factories import FakeRunner, fake_app
+from tests.schema_check import conforms
 
 HI = [{"role": "user", "content": "hi"}]
 # A valid body per dialect's generation path, and the same body made invalid.
@@ -42,7 +43,7 @@ ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
-    413: "request_too_large",
+    413: "invalid_request_error",  # the published schema has no request_too_large
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -84,6 +85,7 @@ def _check_shape(dialect: str, status: int, r: Any) -> None:
         assert r.status_code == status, body
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert body["error"]["type"] == ANTHROPIC_TYPES[status]
+        conforms("anthropic-messages", "ErrorResponse", body)
     else:
         assert r.status_code == (400 if status == 413 else status), body
         if dialect == "ollama":
