@@ -61,3 +61,32 @@ def anthropic_event(event: dict[str, Any]) -> None:
     if component is None:
         raise jsonschema.ValidationError(f"not an event type of the schema: {event!r}")
     conforms("anthropic-messages", component, event)
+
+
+# Ollama's answers by route: (whole, each line of a stream).
+_OLLAMA_ROUTES = {
+    "/api/chat": ("ChatResponse", "ChatStreamEvent"),
+    "/api/generate": ("GenerateResponse", "GenerateStreamEvent"),
+    "/api/tags": ("ListResponse", None),
+    "/api/ps": ("PsResponse", None),
+    "/api/show": ("ShowResponse", None),
+    "/api/embed": ("EmbedResponse", None),
+    "/api/version": ("VersionResponse", None),
+}
+
+
+def ollama_answer(path: str, status: int, content_type: str, body: bytes) -> None:
+    """One answer of Ollama's API against its published schema (`ollama-api.json`): an
+    error's body, a whole answer, or each line of a stream (an error line as an error)."""
+    if not path.startswith("/api/"):
+        return
+    if status >= 400:
+        conforms("ollama-api", "ErrorResponse", json.loads(body))
+        return
+    whole, line = _OLLAMA_ROUTES.get(path, (None, None))
+    if "ndjson" in content_type and line is not None:
+        for raw in body.decode().splitlines():
+            event = json.loads(raw)
+            conforms("ollama-api", "ErrorResponse" if "error" in event else line, event)
+    elif whole is not None and content_type.startswith("application/json"):
+        conforms("ollama-api", whole, json.loads(body))
