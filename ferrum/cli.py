@@ -25,6 +25,7 @@ from ferrum.cluster.settings import ClusterConfig, ClusterSettings
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.errors import FerrumError, ModelLoadError
 from ferrum.models import commands as model_commands
+from ferrum.models.catalog import with_alias
 
 log = logging.getLogger("ferrum")
 
@@ -121,6 +122,7 @@ def _check_keys(args: argparse.Namespace) -> None:
 
 
 def _check(engine: EngineConfig, models: ModelsConfig) -> None:
+    with_alias(models.model, models.alias)  # refused at start, not when the models resolve
     if models.max_models < 0:
         raise ValueError("--max-models must be 0 (no limit) or more")
     for name in ("ctx_size", "parallel", "batch_size", "block_size"):

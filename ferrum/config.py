@@ -336,3 +336,12 @@ class ModelsConfig:
             "(e.g. 50GiB; 0: no quota beyond the free disk); a pull or copy past it is a 400",
         ),
     )
+    alias: str = field(
+        default="",
+        metadata=_flag(
+            "--alias",
+            "-a",
+            help="the name of the one model given with --model PATH, as llama-server's --alias "
+            "(default: the file's stem); refused with several models or a NAME=REF",
+        ),
+    )

@@ -199,7 +199,7 @@ def build_server(
         models_cfg.models_dir or default_models_dir(),
         max_bytes=parse_size(models_cfg.models_max_bytes),
     )
-    specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets))
+    specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets), models_cfg.alias)
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.
     threads = ThreadPoolExecutor(4, "ferrum-load")

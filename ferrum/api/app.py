@@ -58,11 +58,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            return error_response(NotFound("no such route"), request.url.path)
+        path = request.url.path
+        # A 405 says the path exists with another method; a path that only fits a route's
+        # template (POST /v1/responses/compact against GET /v1/responses/{response_id}) is
+        # no route at all, and a client reading 405 would think it called it wrongly.
+        if exc.status_code == 404 or (exc.status_code == 405 and not _is_route(app, path)):
+            return error_response(NotFound("no such route"), path)
         err = InvalidRequest(str(exc.detail))
         err.status = exc.status_code
         return error_response(err, request.url.path)
+
+
+def _is_route(app: FastAPI, path: str) -> bool:
+    """`path` is one of the app's routes as written, not through a path parameter."""
+    return any(getattr(route, "path", None) == path for route in app.router.routes)
 
 
 def check_gate(keys: Keys, public_metrics: bool, request: Request) -> None:

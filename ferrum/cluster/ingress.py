@@ -70,7 +70,7 @@ class Relay:
         self.settings = settings
         models = settings.models
         store = ModelStore(models.models_dir or default_models_dir())
-        specs = serve_specs(models.model, store, load_presets(models.presets))
+        specs = serve_specs(models.model, store, load_presets(models.presets), models.alias)
         self.keys = key_registry(
             specs,
             settings.server.chat_template,

@@ -2,7 +2,8 @@
 model in the store and every preset with a `path`.
 
 `--model` takes `REF` or `NAME=REF`; a REF is a GGUF file, a built-in model's name or a
-store model's name. The first model given (or the built-in default chat model) answers a
+store model's name. `--alias NAME` with one `--model REF` is `--model NAME=REF`, as in
+llama-server. The first model given (or the built-in default chat model) answers a
 request that names none.
 """
 
@@ -21,9 +22,9 @@ from ferrum.models.store import ModelStore
 
 
 def serve_specs(
-    model_args: tuple[str, ...], store: ModelStore, presets: dict[str, Preset]
+    model_args: tuple[str, ...], store: ModelStore, presets: dict[str, Preset], alias: str = ""
 ) -> list[ModelSpec]:
-    specs = [_from_arg(a, store, presets) for a in model_args]
+    specs = [_from_arg(a, store, presets) for a in with_alias(model_args, alias)]
     if not specs:
         specs = _everything(store, presets)
     seen: set[str] = set()
@@ -34,10 +35,31 @@ def serve_specs(
     return specs
 
 
+def _named(arg: str) -> bool:
+    """`arg` is NAME=REF (a file may have "=" in its name)."""
+    return "=" in arg and not os.path.isfile(os.path.expanduser(arg))
+
+
+def with_alias(model_args: tuple[str, ...], alias: str) -> tuple[str, ...]:
+    """The `--model` arguments with llama-server's `--alias NAME` applied: it names the one
+    model given (`-m PATH -a NAME` is `-m NAME=PATH`). Refused (ValueError) where it names
+    nothing or could name several: no model given, several, or one named already."""
+    if not alias:
+        return model_args
+    if len(model_args) != 1:
+        given = "no --model was" if not model_args else f"{len(model_args)} models were"
+        raise ValueError(
+            f"--alias names the one model given with --model PATH, and {given} given; "
+            "name each model with --model NAME=PATH instead"
+        )
+    (arg,) = model_args
+    if _named(arg):
+        raise ValueError(f"--alias {alias!r} and --model {arg!r} both name the model: give one")
+    return (f"{alias}={arg}",)
+
+
 def _from_arg(arg: str, store: ModelStore, presets: dict[str, Preset]) -> ModelSpec:
-    name, sep, ref = arg.partition("=")
-    if not sep or os.path.isfile(os.path.expanduser(arg)):  # a file may have "=" in its name
-        name, ref = "", arg
+    name, _, ref = arg.partition("=") if _named(arg) else ("", "", arg)
     path = os.path.expanduser(ref)
     if os.path.isfile(path):
         name = name or Path(path).stem

@@ -19,6 +19,7 @@ import pytest
 
 from tests.e2e.conftest import running_server
 from tests.models.fake_hub import FakeHub
+from tests.schema_check import ollama_answer
 from tests.tiny_models import write_tiny_llama
 
 REPO = "test-org/tiny-llama-GGUF"
@@ -53,6 +54,13 @@ def test_plain_serve_chats_on_smollm2_and_the_answer_ends(tmp_path_factory):
         assert cards == {"smollm2-135m-instruct": True, "gemma3-270m": False}
 
 
+def _ollama_conforms(response: httpx.Response) -> None:
+    """Each answer the Ollama client receives, against Ollama's published schema."""
+    response.read()  # the client reads the same bytes again
+    ctype = response.headers.get("content-type", "")
+    ollama_answer(response.request.url.path, response.status_code, ctype, response.content)
+
+
 @pytest.mark.slow
 def test_pull_then_two_clients_chat_with_different_models_then_they_unload(
     tmp_path_factory, tmp_path
@@ -83,7 +91,7 @@ def test_pull_then_two_clients_chat_with_different_models_then_they_unload(
             temperature=0,
         )
         assert "Paris" in answer.choices[0].message.content
-        oll = ollama.Client(host=url)
+        oll = ollama.Client(host=url, event_hooks={"response": [_ollama_conforms]})
         chat = oll.chat(
             model="gemma3-270m",
             messages=[{"role": "user", "content": "Hello"}],

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import anthropic
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
 
 from ferrum.api.auth import Keys
 from tests.factories import FakeRunner, fake_app, model_info
+from tests.schema_check import anthropic_event, conforms
 from tests.unit.test_api_tools import CALL, scripted
 
 HI = [{"role": "user", "content": "hi"}]
@@ -48,6 +51,7 @@ def _events(resp) -> list[dict]:
         name, data = chunk.split("\n")
         event = json.loads(data.removeprefix("data: "))
         assert name == f"event: {event['type']}"
+        anthropic_event(event)  # each event as the published schema has it
         events.append(event)
     return events
 
@@ -107,6 +111,7 @@ def _whole_and_streamed(client: TestClient, body: dict) -> tuple[dict, dict]:
     r = client.post("/v1/messages", json=body)
     assert r.status_code == 200, r.text
     whole = r.json()
+    conforms("anthropic-messages", "Message", whole)
     streamed = _replay(_stream(client, body))
     # The second request reads the first one's prompt from the cache: only usage differs.
     assert _no_ids({**streamed, "usage": None}) == _no_ids({**whole, "usage": None})
@@ -114,10 +119,16 @@ def _whole_and_streamed(client: TestClient, body: dict) -> tuple[dict, dict]:
     return whole, streamed
 
 
+def _text(text: str) -> dict:
+    """A text block as the current API answers it: no citations."""
+    return {"type": "text", "text": text, "citations": None}
+
+
 def _refused(r, status: int, kind: str) -> str:
     assert r.status_code == status, r.text
     body = r.json()
     assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    conforms("anthropic-messages", "ErrorResponse", body)
     assert body["error"]["type"] == kind
     return body["error"]["message"]
 
@@ -133,11 +144,17 @@ def test_the_message_whole_and_streamed():
     assert {k: whole[k] for k in ("type", "role", "model")} == {
         "type": "message", "role": "assistant", "model": "fake",
     }  # fmt: skip
-    assert whole["content"] == [{"type": "text", "text": "Hello there, friend."}]
+    assert whole["content"] == [_text("Hello there, friend.")]
     assert (whole["stop_reason"], whole["stop_sequence"]) == ("end_turn", None)
+    assert (whole["container"], whole["stop_details"]) == (None, None)
     usage = whole["usage"]
     assert usage["output_tokens"] == chat["usage"]["completion_tokens"]
     assert usage["cache_creation_input_tokens"] == 0
+    assert usage["cache_creation"] == {
+        "ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0,
+    }  # fmt: skip
+    assert usage["output_tokens_details"] == {"thinking_tokens": 0}
+    assert (usage["service_tier"], usage["server_tool_use"]) == ("standard", None)
     prompt = chat["usage"]["prompt_tokens"]
     for u in (usage, streamed["usage"]):
         assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt
@@ -155,7 +172,7 @@ def test_the_message_whole_and_streamed():
 def test_each_stop_reason(extra, text, reason, sequence):
     with _client("Hello there, friend.") as client:
         whole, _ = _whole_and_streamed(client, _body(**extra))
-    assert whole["content"] == [{"type": "text", "text": text}]
+    assert whole["content"] == [_text(text)]
     assert (whole["stop_reason"], whole["stop_sequence"]) == (reason, sequence)
 
 
@@ -165,7 +182,7 @@ def test_a_tool_call_is_a_tool_use_block_whole_and_streamed(prefix):
         whole, streamed = _whole_and_streamed(client, _body(tools=[WEATHER]))
         events = _stream(client, _body(tools=[WEATHER]))
     *text, call = whole["content"]
-    assert text == ([{"type": "text", "text": prefix}] if prefix else [])
+    assert text == ([_text(prefix)] if prefix else [])
     assert call["type"] == "tool_use" and call["id"].startswith("toolu_")
     assert (call["name"], call["input"]) == ("get_weather", {"city": "Paris"})
     assert whole["stop_reason"] == "tool_use" and streamed["stop_reason"] == "tool_use"
@@ -195,9 +212,13 @@ def test_thinking_blocks_only_when_enabled(thinking, shown):
     with _client(THOUGHT) as client:
         whole, _ = _whole_and_streamed(client, body)
         events = _stream(client, body)
-    text = {"type": "text", "text": "Hello there, friend."}
+    text = _text("Hello there, friend.")
     thought = {"type": "thinking", "thinking": "The user greets me.", "signature": ""}
     assert whole["content"] == ([thought, text] if shown else [text])
+    # The tokens spent thinking, shown or not: "<think>The user greets me.</think>" of the
+    # byte tokenizer's output, never more than the whole.
+    usage = whole["usage"]
+    assert 15 <= usage["output_tokens_details"]["thinking_tokens"] < usage["output_tokens"]
     deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
     assert ("thinking_delta" in deltas) == shown and ("signature_delta" in deltas) == shown
 
@@ -286,7 +307,7 @@ def test_a_conversation_is_the_prompt_of_the_same_openai_chat():
             "/v1/messages/count_tokens", json={"messages": CONVERSATION, "system": system}
         ).json()
     answer = chat["choices"][0]["message"]["content"]
-    assert message["content"] == [{"type": "text", "text": answer}]
+    assert message["content"] == [_text(answer)]
     assert counted == {"input_tokens": chat["usage"]["prompt_tokens"]}
     assert no_tools["input_tokens"] < counted["input_tokens"]  # the tools are in the prompt
 
@@ -464,7 +485,9 @@ def test_model_routes_and_size_errors_in_anthropic_shape():
         _refused(counted, 404, "not_found_error")
         _refused(client.get("/v1/messages"), 405, "invalid_request_error")
         big = {"content-length": str(64 * 1024 * 1024), "content-type": "application/json"}
-        _refused(client.post("/v1/messages", content=b"{}", headers=big), 413, "request_too_large")
+        # Anthropic's 413 type, request_too_large, is not in the published schema.
+        oversized = client.post("/v1/messages", content=b"{}", headers=big)
+        _refused(oversized, 413, "invalid_request_error")
         # The other dialects keep their own shape.
         r = client.post("/v1/chat/completions", content=b"{}", headers=big)
         assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
@@ -508,6 +531,7 @@ def test_the_deadline_ends_a_stream_with_an_error_event_and_frees_the_model():
         assert events[-1] == {
             "type": "error",
             "error": {"type": "timeout_error", "message": "the request took longer than 0.3 s"},
+            "request_id": None,
         }
         state = client.app.state.ferrum
         for _ in range(50):
@@ -539,3 +563,43 @@ def test_anthropic_sdk_reads_every_shape():
     assert whole.stop_reason == final.stop_reason == "tool_use"
     assert final.content[0].thinking == "Hm." and final.usage.output_tokens > 0
     assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+def _strict(model: type[pydantic.BaseModel] | Any, data: dict) -> None:
+    """`data` read by the SDK's generated types in strict mode (no coercion), and no field
+    left over that the types do not know (the SDK keeps unknown fields as extras)."""
+    adapter = pydantic.TypeAdapter(model)
+    parsed = adapter.validate_python(data, strict=True)
+
+    def extras(value: Any, path: str) -> list[str]:
+        if isinstance(value, list):
+            return [x for i, item in enumerate(value) for x in extras(item, f"{path}[{i}]")]
+        if not isinstance(value, pydantic.BaseModel):
+            return []
+        found = [f"{path}.{k}" for k in value.model_extra or {}]
+        fields = type(value).model_fields
+        return found + [x for k in fields for x in extras(getattr(value, k), f"{path}.{k}")]
+
+    assert extras(parsed, "") == [], data
+
+
+def test_the_sdks_generated_types_read_every_answer_strictly():
+    """A client generated from the published schema (the SDK's own pydantic types, in strict
+    mode) parses every whole answer, every streamed event and an error, no field unknown."""
+    from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+    from anthropic.types.shared import ErrorResponse
+
+    body = _body(tools=[WEATHER], thinking={"type": "enabled", "budget_tokens": 1024})
+    with _client("<think>Hm.</think>Let me check." + CALL) as client:
+        whole = client.post("/v1/messages", json=body).json()
+        events = _stream(client, body)
+        counted = client.post("/v1/messages/count_tokens", json=body).json()
+        refused = client.post("/v1/messages", json=_body(max_tokens="x")).json()
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+    _strict(Message, whole)
+    for event in events:
+        if event["type"] != "ping":  # documented, not one of the schema's stream events
+            _strict(RawMessageStreamEvent, event)
+    _strict(MessageTokensCount, counted)
+    conforms("anthropic-messages", "MessageTokensCount", counted)
+    _strict(ErrorResponse, refused)

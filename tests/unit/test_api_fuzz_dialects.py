@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from tests.factories import FakeEmbedder, FakeRunner, fake_app
 from tests.profiles import examples
+from tests.schema_check import conforms
 
 EXAMPLES = int(os.environ.get("FERRUM_FUZZ_EXAMPLES", examples(40)))
 HI = [{"role": "user", "content": "hi"}]
@@ -120,6 +121,7 @@ def _in_its_shape(path: str, r) -> None:
         assert set(body) == {"error"} and isinstance(body["error"], str), body
     elif path.startswith("/v1/messages"):
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        conforms("anthropic-messages", "ErrorResponse", body)
     else:
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
 

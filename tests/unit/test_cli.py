@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
-from ferrum.cli import _build, main, make_parser
+from ferrum.cli import _build, _check, main, make_parser
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+from ferrum.models.catalog import serve_specs, with_alias
+from ferrum.models.store import ModelStore
 
 
 def _configs(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
@@ -86,3 +91,55 @@ def test_a_bad_models_flag_is_one_line_and_exit_2(capsys, tmp_path, argv):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ferrum: error: ") and "\n" not in err
+
+
+def _readme_serve_lines() -> list[list[str]]:
+    """Every `ferrum serve` command line of the README's shell blocks, as argv after `serve`."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
+    lines = [line.split("#")[0] for block in blocks for line in block.splitlines()]
+    words = [shlex.split(line.split("&&")[-1]) for line in lines if "ferrum serve" in line]
+    return [w[w.index("serve") + 1 :] for w in words]
+
+
+def test_the_readmes_command_lines_parse_llama_server_habits_included():
+    """Each `ferrum serve` line of the README goes through the parser and the start checks as
+    `ferrum serve` runs them (no model loads); the llama-server-style one means what it means
+    to llama-server: -m PATH named by -a, -c, -np, -t, --host, --port."""
+    argvs = _readme_serve_lines()
+    assert [] in argvs and any("-a" in argv for argv in argvs), argvs
+    for argv in argvs:
+        engine, server = _configs(argv)
+        models = _models(argv)
+        _check(engine, models)
+        if "-a" in argv:
+            assert with_alias(models.model, models.alias) == ("my-model=./model.gguf",)
+            assert (engine.ctx_size, engine.parallel, engine.threads) == (8192, 4, 4)
+            assert (server.host, server.port) == ("0.0.0.0", 8081)
+
+
+def test_alias_names_the_one_model_given(tmp_path):
+    gguf = tmp_path / "SmolLM2-135M.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    for flag in ("--alias", "-a"):
+        models = _models(["-m", str(gguf), flag, "tiny"])
+        (spec,) = serve_specs(models.model, ModelStore(str(tmp_path / "store")), {}, models.alias)
+        assert spec.name == "tiny"
+    (spec,) = serve_specs((str(gguf),), ModelStore(str(tmp_path / "store")), {})
+    assert spec.name == "SmolLM2-135M.Q8_0"  # without an alias: the file's stem
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["-a", "tiny"], "no --model was given"),
+        (["-m", "a.gguf", "-m", "b.gguf", "-a", "tiny"], "2 models were given"),
+        (["-m", "other=a.gguf", "-a", "tiny"], "both name the model"),
+    ],
+)
+def test_an_alias_that_names_no_single_model_is_refused_at_start(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ferrum: error: --alias") and says in err and "\n" not in err

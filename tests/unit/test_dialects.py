@@ -29,6 +29,7 @@ from ferrum.errors import (
     TooManyRequests,
 )
 from tests.factories import FakeRunner, fake_app
+from tests.schema_check import conforms
 
 HI = [{"role": "user", "content": "hi"}]
 # A valid body per dialect's generation path, and the same body made invalid.
@@ -42,7 +43,7 @@ ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
-    413: "request_too_large",
+    413: "invalid_request_error",  # the published schema has no request_too_large
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -84,6 +85,7 @@ def _check_shape(dialect: str, status: int, r: Any) -> None:
         assert r.status_code == status, body
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
         assert body["error"]["type"] == ANTHROPIC_TYPES[status]
+        conforms("anthropic-messages", "ErrorResponse", body)
     else:
         assert r.status_code == (400 if status == 413 else status), body
         if dialect == "ollama":
@@ -229,3 +231,53 @@ def test_a_broken_stream_ends_alike_from_serve_and_the_cluster(dialect):
 
 def _keys(obj: Any) -> Any:
     return {k: _keys(v) for k, v in obj.items()} if isinstance(obj, dict) else None
+
+
+# An unknown route under each dialect's prefix, as a client of that dialect calls one: the
+# dialect whose shape its 404 has.
+UNKNOWN_ROUTES = [
+    ("POST", "/v1/responses/compact", "openai"),  # fits GET /v1/responses/{response_id}
+    ("POST", "/responses/compact", "openai"),
+    ("POST", "/v1/responses/resp_1/cancel", "openai"),
+    ("PUT", "/v1/responses/resp_1", "openai"),
+    ("POST", "/v1/nothing", "openai"),
+    ("GET", "/v1/nothing", "openai"),
+    ("POST", "/v1/messages/whatever", "anthropic"),
+    ("GET", "/messages/whatever", "anthropic"),
+    ("POST", "/api/nothing", "ollama"),
+    ("GET", "/api/nothing", "ollama"),
+]
+# A route that exists, called with another method: 405, still in its dialect's shape.
+WRONG_METHODS = [
+    ("GET", "/v1/chat/completions", "openai"),
+    ("GET", "/v1/responses", "openai"),
+    ("POST", "/v1/models", "openai"),
+    ("GET", "/v1/messages", "anthropic"),
+    ("GET", "/v1/messages/count_tokens", "anthropic"),
+]
+
+
+def _dialect_error(dialect: str, status: int, r: Any) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    if dialect == "anthropic":
+        conforms("anthropic-messages", "ErrorResponse", body)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        assert body["error"]["type"] == kind, body
+    elif dialect == "ollama":
+        assert set(body) == {"error"} and isinstance(body["error"], str), body
+    else:
+        assert set(body) == {"error"}, body
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["code"] == ("not_found" if status == 404 else None), body
+
+
+def test_an_unknown_route_is_a_404_in_its_dialects_shape_and_a_wrong_method_a_405():
+    """A 405 means the path exists with another method: a path that only fits a route's
+    template (POST /v1/responses/compact) is a 404, as a route that does not exist at all.
+    A cluster's ingress relays every path to a replica, which answers with this app."""
+    with TestClient(fake_app()) as client:
+        for method, path, dialect in UNKNOWN_ROUTES:
+            _dialect_error(dialect, 404, client.request(method, path, json={}))
+        for method, path, dialect in WRONG_METHODS:
+            _dialect_error(dialect, 405, client.request(method, path, json={}))

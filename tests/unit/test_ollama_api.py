@@ -24,6 +24,7 @@ from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
 from tests.factories import EOS, FakeRunner, fake_app
+from tests.schema_check import ollama_answer
 from tests.tiny_models import write_tiny_llama
 from tests.unit.test_api_tools import CALL, WEATHER
 
@@ -57,6 +58,8 @@ class _Bridge(httpx.BaseTransport):
         r = self.http.request(
             request.method, request.url.path, headers=dict(request.headers), content=request.read()
         )
+        # Every answer the client gets, as Ollama's published schema has it.
+        ollama_answer(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
         return httpx.Response(r.status_code, headers=r.headers.multi_items(), content=r.content)
 
 

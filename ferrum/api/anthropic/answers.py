@@ -25,9 +25,14 @@ an error response.
 Rules:
 - stop_reason: tool_use when the model made calls, max_tokens when it ran out, stop_sequence
   (naming it) when one of the request's stop_sequences ended it, end_turn otherwise.
+- Every field the published schema requires is written (`tests/schemas/anthropic-messages.json`),
+  null where it allows and ferrum has nothing to say: a message's container and stop_details,
+  a text block's citations; a tool_use block's caller is the model itself (direct).
 - usage: input_tokens are the prompt tokens not read from the cache
   (cache_read_input_tokens); ferrum writes no cache a client pays for, so
-  cache_creation_input_tokens is 0.
+  cache_creation_input_tokens and both of cache_creation's figures are 0; thinking_tokens
+  are the output tokens spent inside `<think>` (shown or not); no server tools, one tier
+  (standard). message_delta's usage has the fields of the schema's MessageDeltaUsage.
 - Signatures are empty: ferrum signs no thinking, and accepts the thinking blocks it gets back
   without checking theirs.
 - A tool call whose arguments are not a JSON object has the input {}.
@@ -72,16 +77,54 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
         "id": f"toolu_{uuid.uuid4().hex[:24]}",
         "name": call.name,
         "input": _input(call.arguments),
+        "caller": {"type": "direct"},
     }
 
 
-def _usage(out: RequestOutput, output_tokens: int) -> dict[str, int]:
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text, "citations": None}
+
+
+def _delta_usage(out: RequestOutput | None, output_tokens: int, thinking: int) -> dict[str, Any]:
+    """The schema's MessageDeltaUsage (message_delta's), and the core of a message's Usage."""
+    prompt, cached = (out.prompt_tokens, out.cached_tokens) if out is not None else (0, 0)
     return {
-        "input_tokens": out.prompt_tokens - out.cached_tokens,
+        "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": out.cached_tokens,
+        "cache_read_input_tokens": cached,
         "output_tokens": output_tokens,
+        "output_tokens_details": {"thinking_tokens": min(thinking, output_tokens)},
+        "server_tool_use": None,
     }
+
+
+def _usage(out: RequestOutput | None, output_tokens: int, thinking: int) -> dict[str, Any]:
+    """The schema's Usage, a message's."""
+    return {
+        **_delta_usage(out, output_tokens, thinking),
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "inference_geo": None,
+        "service_tier": "standard",
+    }
+
+
+@dataclass
+class _Thinking:
+    """Output tokens spent thinking: each delta's tokens by the reasoning's share of its text
+    (outputs can arrive merged into one delta)."""
+
+    tokens: int = 0
+
+    def feed(self, delta: Delta) -> None:
+        if delta.reasoning:
+            share = len(delta.reasoning) / (len(delta.reasoning) + len(delta.content))
+            self.tokens += round(delta.tokens * share)
+
+    async def counted(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        async for event in events:
+            if isinstance(event, Delta):
+                self.feed(event)
+            yield event
 
 
 class _Blocks:
@@ -93,7 +136,8 @@ class _Blocks:
 
     def write(self, kind: str, text: str) -> list[str]:
         """`text` added to a block of `kind` (thinking or text), opened if need be."""
-        lines = [] if self.open == kind else [*self.close(), *self._start({kind: ""}, kind)]
+        block = _text("") if kind == "text" else {kind: ""}
+        lines = [] if self.open == kind else [*self.close(), *self._start(block, kind)]
         delta = {"type": f"{kind}_delta", kind: text}
         return [*lines, self._delta(delta)]
 
@@ -154,39 +198,47 @@ class MessageAnswer:
             "role": "assistant",
             "model": self.model,
             "content": content,
+            "container": None,
             "stop_reason": None,
             "stop_sequence": None,
+            "stop_details": None,
         }
 
     def _stop(self, finish: Finish) -> dict[str, Any]:
-        stop = finish.output.stop_string
+        """The message's stop_reason, stop_sequence and (null) stop_details."""
+        stop, sequence = finish.output.stop_string, None
         if finish.called:
-            return {"stop_reason": "tool_use", "stop_sequence": None}
-        if finish.reason == "length":
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
-        if stop is not None and stop in self.stop_sequences:
-            return {"stop_reason": "stop_sequence", "stop_sequence": stop}
-        return {"stop_reason": "end_turn", "stop_sequence": None}
+            reason = "tool_use"
+        elif finish.reason == "length":
+            reason = "max_tokens"
+        elif stop is not None and stop in self.stop_sequences:
+            reason, sequence = "stop_sequence", stop
+        else:
+            reason = "end_turn"
+        return {"stop_reason": reason, "stop_sequence": sequence, "stop_details": None}
 
     def _start(self) -> list[str]:
-        usage = _usage(self.first, 0) if self.first is not None else {}
-        start = {"message": {**self._message([]), "usage": usage}}
+        start = {"message": {**self._message([]), "usage": _usage(self.first, 0, 0)}}
         return [_event("message_start", start), _event("ping", {})]
 
-    def _end(self, blocks: _Blocks, finish: Finish) -> list[str]:
+    def _end(self, blocks: _Blocks, finish: Finish, thinking: int) -> list[str]:
         out = finish.output
-        delta = {"delta": self._stop(finish), "usage": _usage(out, out.completion_tokens)}
+        delta = {
+            "delta": {"container": None, **self._stop(finish)},
+            "usage": _delta_usage(out, out.completion_tokens, thinking),
+        }
         return [*blocks.close(), _event("message_delta", delta), _event("message_stop", {})]
 
     async def lines(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:
         blocks = _Blocks()
+        thinking = _Thinking()
         started = False
         try:
-            async for event in events:
+            async for event in thinking.counted(events):
                 lines = [] if started else self._start()
                 started = True
                 if isinstance(event, Finish):
-                    lines += self._end(blocks, event)
+                    lines += self._end(blocks, event, thinking.tokens)
                 else:
                     if self.thinking and event.reasoning:
                         lines += blocks.write("thinking", event.reasoning)
@@ -200,10 +252,12 @@ class MessageAnswer:
             yield ANTHROPIC.stream_error(exc)
 
     async def whole(self, events: AsyncIterator[Event]) -> Response:
-        total, finish = await gathered(events)
+        thinking = _Thinking()
+        total, finish = await gathered(thinking.counted(events))
         out = finish.output
         message = self._message(self._content(total))
-        message.update(self._stop(finish), usage=_usage(out, out.completion_tokens))
+        usage = _usage(out, out.completion_tokens, thinking.tokens)
+        message.update(self._stop(finish), usage=usage)
         return JSONResponse(message)
 
     def _content(self, total: Delta) -> list[dict[str, Any]]:
@@ -211,7 +265,7 @@ class MessageAnswer:
         if self.thinking and total.reasoning:
             content.append({"type": "thinking", "thinking": total.reasoning, "signature": ""})
         if total.content:
-            content.append({"type": "text", "text": total.content})
+            content.append(_text(total.content))
         return content + [_tool_use(c) for c in total.calls]
 
     def timeout_lines(self, err: RequestTimeout) -> list[str]:

@@ -1,7 +1,10 @@
 """Anthropic's dialect, the Messages paths (`/v1/messages*`, `/messages*`): errors as
-`{"type": "error", "error": {"type": T, "message": M}}`, with T named after the HTTP status
-as Anthropic names it; a stream that has begun ends with the same body as an `error` event.
-The app answers every error on these paths so, the gate's included (API key, body size)."""
+`{"type": "error", "error": {"type": T, "message": M}, "request_id": null}`, with T named
+after the HTTP status as Anthropic names it, always one of the published schema's error types
+(its ErrorResponse: Anthropic's 413 `request_too_large` is not one, so an oversized body is
+an `invalid_request_error` with the status 413); a stream that has begun ends with the same
+body as an `error` event. The app answers every error on these paths so, the gate's included
+(API key, body size)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     408: "timeout_error",
-    413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -44,7 +46,9 @@ class Anthropic(Dialect):
 
     def error_body(self, exc: FerrumError) -> dict[str, Any]:
         kind = error_type(self.status(exc))
-        return {"type": "error", "error": {"type": kind, "message": exc.message}}
+        # request_id is required and may be null: ferrum gives requests no id of Anthropic's.
+        error = {"type": kind, "message": exc.message}
+        return {"type": "error", "error": error, "request_id": None}
 
     def stream_error(self, exc: FerrumError) -> str:
         return f"event: error\ndata: {compact_json(self.error_body(exc))}\n\n"
