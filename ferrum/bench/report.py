@@ -56,42 +56,53 @@ def metric_specs(workload: str, s: BenchSettings) -> list[MetricSpec]:
             MetricSpec("last.prompt_tokens", "last turn: prompt tokens", "", 0),
             MetricSpec("cached_tokens", "cached tokens (sum)", "", 0),
         ]
-    if workload == "noisy":
-        return [
-            MetricSpec("before.itl_p50", "before: inter-token p50 (ms)", "lower", 1, 1000),
-            MetricSpec("before.itl_p99", "before: inter-token p99 (ms)", "lower", 1, 1000),
-            MetricSpec("during.itl_p50", "during: inter-token p50 (ms)", "lower", 1, 1000),
-            MetricSpec("during.itl_p99", "during: inter-token p99 (ms)", "lower", 1, 1000),
-            MetricSpec("during.gaps", "during: gaps measured", "", 0),
-            MetricSpec("long.ttft", "long prompt: TTFT (s)", "lower"),
-            MetricSpec("long.prompt_tokens", "long prompt: tokens", "", 0),
-        ]
-    if workload == "fairness":
-        return [
-            MetricSpec("idle.ttft_p50", "idle server: chat TTFT p50 (s)", "lower"),
-            MetricSpec("idle.ttft_p99", "idle server: chat TTFT p99 (s)", "lower"),
-            MetricSpec("flood.ttft_p50", "beside the flood: chat TTFT p50 (s)", "lower"),
-            MetricSpec("flood.ttft_p99", "beside the flood: chat TTFT p99 (s)", "lower"),
-            MetricSpec("flood.p99_vs_idle", "beside the flood: TTFT p99 / idle p50", "lower", 2),
-            MetricSpec("flood.chats", "chats sent while the flood ran", "", 0),
-            MetricSpec("flood.wall_s", f"the flood ({s.parallel} choices): whole (s)", "lower"),
-        ]
-    if workload == "longctx":
-        return [
-            MetricSpec("tps", "whole workload: output tok/s", "higher", 1),
-            MetricSpec("wall_s", "whole workload: wall time (s)", "lower", 1),
-            MetricSpec("ttft_p50", "TTFT p50 (s)", "lower"),
-            MetricSpec("ttft_p99", "TTFT p99 (s)", "lower"),
-            MetricSpec("itl_p50", "inter-token p50 (ms)", "lower", 1, 1000),
-            MetricSpec("itl_p99", "inter-token p99 (ms)", "lower", 1, 1000),
-            MetricSpec("prompt_tokens", "prompt tokens per client (median)", "", 0),
-        ]
+    if workload in _FIXED:
+        return _FIXED[workload](s)
     if workload == "engine":
         return [
             MetricSpec(f"b{b}.tps", f"batch {b}: decode tok/s", "higher", 1)
             for b in s.engine_batches
         ]
     raise ValueError(f"unknown workload {workload!r}")
+
+
+def _noisy(s: BenchSettings) -> list[MetricSpec]:
+    return [
+        MetricSpec("before.itl_p50", "before: inter-token p50 (ms)", "lower", 1, 1000),
+        MetricSpec("before.itl_p99", "before: inter-token p99 (ms)", "lower", 1, 1000),
+        MetricSpec("during.itl_p50", "during: inter-token p50 (ms)", "lower", 1, 1000),
+        MetricSpec("during.itl_p99", "during: inter-token p99 (ms)", "lower", 1, 1000),
+        MetricSpec("during.gaps", "during: gaps measured", "", 0),
+        MetricSpec("long.ttft", "long prompt: TTFT (s)", "lower"),
+        MetricSpec("long.prompt_tokens", "long prompt: tokens", "", 0),
+    ]
+
+
+def _fairness(s: BenchSettings) -> list[MetricSpec]:
+    return [
+        MetricSpec("idle.ttft_p50", "idle server: chat TTFT p50 (s)", "lower"),
+        MetricSpec("idle.ttft_p99", "idle server: chat TTFT p99 (s)", "lower"),
+        MetricSpec("flood.ttft_p50", "beside the flood: chat TTFT p50 (s)", "lower"),
+        MetricSpec("flood.ttft_p99", "beside the flood: chat TTFT p99 (s)", "lower"),
+        MetricSpec("flood.p99_vs_idle", "beside the flood: TTFT p99 / idle p50", "lower", 2),
+        MetricSpec("flood.chats", "chats sent while the flood ran", "", 0),
+        MetricSpec("flood.wall_s", f"the flood ({s.parallel} choices): whole (s)", "lower"),
+    ]
+
+
+def _longctx(s: BenchSettings) -> list[MetricSpec]:
+    return [
+        MetricSpec("tps", "whole workload: output tok/s", "higher", 1),
+        MetricSpec("wall_s", "whole workload: wall time (s)", "lower", 1),
+        MetricSpec("ttft_p50", "TTFT p50 (s)", "lower"),
+        MetricSpec("ttft_p99", "TTFT p99 (s)", "lower"),
+        MetricSpec("itl_p50", "inter-token p50 (ms)", "lower", 1, 1000),
+        MetricSpec("itl_p99", "inter-token p99 (ms)", "lower", 1, 1000),
+        MetricSpec("prompt_tokens", "prompt tokens per client (median)", "", 0),
+    ]
+
+
+_FIXED = {"noisy": _noisy, "fairness": _fairness, "longctx": _longctx}
 
 
 def kept(records: list[dict]) -> list[dict]:
