@@ -4,7 +4,8 @@ Every request is relayed whole to one replica (`FerrumReplica.handle`) through a
 handle whose router (`routers.py`) picks the replica from the request's `RouteKey`; the
 answer streams back as the replica's app sends it. `/metrics` and `/health` are the
 cluster's own: every replica's figures (from the board) with a `replica` label, and the
-cluster's status.
+cluster's status; `/props` and `/slots` are asked of every replica and merged (`gather.py`),
+and the browser pages are served here (`ferrum.web`), so the dashboard shows every replica.
 
 Faults: a replica that fails before answering is tried once more on another (nothing was
 generated yet); one that fails mid-answer ends the stream with an error in the route's own
@@ -35,6 +36,7 @@ from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.dialects import dialect_for, error_response, translation
 from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
+from ferrum.cluster.gather import Answer, merge, short_id
 from ferrum.cluster.keys import (
     PromptKeys,
     key_registry,
@@ -53,12 +55,14 @@ from ferrum.models.registry import Lease
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration
 from ferrum.server_metrics import merge_replica_metrics
+from ferrum.web import page_answer, read_static
 
 log = logging.getLogger("ferrum.cluster")
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
 _PINS_KEPT = 100_000
 _ATTEMPTS = 2
+_GATHER_TIMEOUT_S = 10.0  # a replica slower than this is left out of a gathered answer
 
 
 class Relay:
@@ -82,6 +86,7 @@ class Relay:
         self.gate_keys = Keys.from_config(
             server.api_key, server.admin_key, server.keys_file, server.open_admin
         )
+        self.pages = None if server.no_webui else read_static()
 
     # -- the cluster's own routes -----------------------------------------------------------
 
@@ -107,7 +112,7 @@ class Relay:
         except FerrumError as exc:
             return _error(request.url.path, exc)
         posts = await self._posts()
-        text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
+        text = merge_replica_metrics({short_id(r): m for r, (m, _) in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> JSONResponse:
@@ -116,12 +121,56 @@ class Relay:
         except FerrumError as exc:  # this app has no error handlers: a raise would be a 500
             return _error(request.url.path, exc)
         posts = await self._posts()
-        replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
+        replicas = {short_id(r): json.loads(h) for r, (_, h) in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
         body: dict[str, Any] = {"status": "ok" if ok else "error"}
         if not self.gate_keys.required or caller_of(request).tenant:
             body["replicas"] = replicas  # which models run where: for a key only
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def gathered(self, request: Request) -> Response:
+        """/props and /slots: the caller's request asked of every replica posting to the
+        board, pinned to each, and the answers merged."""
+        path = request.url.path
+        try:  # the replicas check the key again, with their rules for each route
+            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
+        except FerrumError as exc:
+            return _error(path, exc)
+        relayed = Relayed("GET", path, request.url.query.encode(), list(request.headers.raw), b"")
+        posts = await self._posts()
+        found = await asyncio.gather(*(self._ask(r, relayed) for r in posts))
+        merged = merge(path, [a for a in found if a is not None])
+        if merged is None:
+            return _error(path, ServiceUnavailable("no replica could answer; retry shortly"))
+        status, body = merged
+        return JSONResponse(body, status_code=status)
+
+    async def _ask(self, replica: str, relayed: Relayed) -> Answer | None:
+        """One replica's whole answer; None when it failed or took too long."""
+        stream = cast(
+            DeploymentResponseGenerator[Any],
+            self.replicas.options(stream=True).handle.remote(relayed, route=RouteKey(pin=replica)),
+        )
+
+        async def read() -> Answer:
+            head: Head = await stream.__anext__()
+            body = b"".join([chunk async for chunk in stream])
+            # Named by who answered: a pin to a replica just gone is routed to another.
+            return Answer(short_id(_header(head, REPLICA_HEADER)), head.status, body)
+
+        try:
+            return await asyncio.wait_for(read(), _GATHER_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the others' answers are still worth giving
+            stream.cancel()  # type: ignore[no-untyped-call]
+            log.warning("replica %s did not answer %s: %s", replica, relayed.path, exc)
+            return None
+
+    def page(self, request: Request) -> Response | None:
+        """A browser page or its file, from the ingress itself (it shows every replica, and
+        loads while replicas start); None: not one here (`/` asked by a non-browser)."""
+        if self.pages is None:
+            return None
+        return page_answer(request.url.path, request.headers.get("accept", ""), self.pages)
 
     # -- everything else, relayed -----------------------------------------------------------
 
@@ -271,6 +320,26 @@ class FerrumIngress:
     @http.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         return await self.relay.health(request)
+
+    @http.get("/props")
+    async def props(self, request: Request) -> Response:
+        return await self.relay.gathered(request)
+
+    @http.get("/slots")
+    async def slots(self, request: Request) -> Response:
+        return await self.relay.gathered(request)
+
+    @http.get("/")
+    async def chat_page(self, request: Request) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
+
+    @http.get("/dashboard")
+    async def dashboard_page(self, request: Request) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
+
+    @http.get("/web/{name}")
+    async def page_file(self, request: Request, name: str) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
 
     @http.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, request: Request, path: str) -> Response:
