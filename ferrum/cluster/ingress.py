@@ -4,8 +4,9 @@ Every request is relayed whole to one replica (`FerrumReplica.handle`) through a
 handle whose router (`routers.py`) picks the replica from the request's `RouteKey`; the
 answer streams back as the replica's app sends it. `/metrics` and `/health` are the
 cluster's own: every replica's figures (from the board) with a `replica` label, and the
-cluster's status; `/props` and `/slots` are asked of every replica and merged (`gather.py`),
-and the browser pages are served here (`ferrum.web`), so the dashboard shows every replica.
+cluster's status; the browser pages are served here (`ferrum.web`), while replicas start too.
+(`gather.py` merges every replica's /props and /slots; not wired yet: a request pinned to
+each replica through the handle waited in Ray's routing until cancelled, see its tests.)
 
 Faults: a replica that fails before answering is tried once more on another (nothing was
 generated yet); one that fails mid-answer ends the stream with an error in the route's own
@@ -36,7 +37,7 @@ from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.dialects import dialect_for, error_response, translation
 from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
-from ferrum.cluster.gather import Answer, merge, short_id
+from ferrum.cluster.gather import short_id
 from ferrum.cluster.keys import (
     PromptKeys,
     key_registry,
@@ -62,7 +63,6 @@ log = logging.getLogger("ferrum.cluster")
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[^"]+)"')
 _PINS_KEPT = 100_000
 _ATTEMPTS = 2
-_GATHER_TIMEOUT_S = 10.0  # a replica slower than this is left out of a gathered answer
 
 
 class Relay:
@@ -127,43 +127,6 @@ class Relay:
         if not self.gate_keys.required or caller_of(request).tenant:
             body["replicas"] = replicas  # which models run where: for a key only
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def gathered(self, request: Request) -> Response:
-        """/props and /slots: the caller's request asked of every replica posting to the
-        board, pinned to each, and the answers merged."""
-        path = request.url.path
-        try:  # the replicas check the key again, with their rules for each route
-            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
-        except FerrumError as exc:
-            return _error(path, exc)
-        relayed = Relayed("GET", path, request.url.query.encode(), list(request.headers.raw), b"")
-        posts = await self._posts()
-        found = await asyncio.gather(*(self._ask(r, relayed) for r in posts))
-        merged = merge(path, [a for a in found if a is not None])
-        if merged is None:
-            return _error(path, ServiceUnavailable("no replica could answer; retry shortly"))
-        status, body = merged
-        return JSONResponse(body, status_code=status)
-
-    async def _ask(self, replica: str, relayed: Relayed) -> Answer | None:
-        """One replica's whole answer; None when it failed or took too long."""
-        stream = cast(
-            DeploymentResponseGenerator[Any],
-            self.replicas.options(stream=True).handle.remote(relayed, route=RouteKey(pin=replica)),
-        )
-
-        async def read() -> Answer:
-            head: Head = await stream.__anext__()
-            body = b"".join([chunk async for chunk in stream])
-            # Named by who answered: a pin to a replica just gone is routed to another.
-            return Answer(short_id(_header(head, REPLICA_HEADER)), head.status, body)
-
-        try:
-            return await asyncio.wait_for(read(), _GATHER_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the others' answers are still worth giving
-            stream.cancel()  # type: ignore[no-untyped-call]
-            log.warning("replica %s did not answer %s: %s", replica, relayed.path, exc)
-            return None
 
     def page(self, request: Request) -> Response | None:
         """A browser page or its file, from the ingress itself (it shows every replica, and
@@ -320,14 +283,6 @@ class FerrumIngress:
     @http.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         return await self.relay.health(request)
-
-    @http.get("/props")
-    async def props(self, request: Request) -> Response:
-        return await self.relay.gathered(request)
-
-    @http.get("/slots")
-    async def slots(self, request: Request) -> Response:
-        return await self.relay.gathered(request)
 
     @http.get("/")
     async def chat_page(self, request: Request) -> Response:
