@@ -22,10 +22,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.outputs import EngineObserver, StepStats
+from ferrum.engine.turns import Party
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
@@ -53,6 +55,42 @@ def _tier_snapshot(tiers: TierStats | None) -> dict[str, Any]:
     return out
 
 
+class _TurnTotals(Collector):
+    """A model's engines' turns at the cores (`turns.Party`'s running totals), read at each
+    scrape rather than counted a step: the engine thread pays nothing for them. A reload
+    brings new parties; the old ones' totals are kept, so the counters never go back."""
+
+    _FAMILIES = (
+        ("ferrum_engine_turns", "Turns taken at the cores (a turn's laps count as turns)"),
+        ("ferrum_engine_turn_seconds", "Seconds the engine held the cores"),
+        ("ferrum_engine_turn_wait_seconds", "Seconds the engine waited for another's turn"),
+    )
+
+    def __init__(self) -> None:
+        self._parties: dict[str, Party] = {}
+        self._before: dict[str, tuple[float, float, float]] = {}
+
+    def watch(self, engine: str, party: Party) -> None:
+        old = self._parties.get(engine)
+        if old is not None and old is not party:
+            self._before[engine] = self._totals(engine)
+        self._parties[engine] = party
+
+    def _totals(self, engine: str) -> tuple[float, float, float]:
+        p = self._parties[engine]
+        before = self._before.get(engine, (0, 0.0, 0.0))
+        return before[0] + p.turns_taken, before[1] + p.held_s, before[2] + p.waited_s
+
+    def collect(self) -> Iterable[Metric]:
+        if not self._parties:
+            return
+        families = [CounterMetricFamily(n, doc, labels=["engine"]) for n, doc in self._FAMILIES]
+        for engine in list(self._parties):
+            for family, value in zip(families, self._totals(engine), strict=True):
+                family.add_metric([engine], value)
+        yield from families
+
+
 class Metrics(EngineObserver):
     def __init__(self) -> None:
         self._last = StepStats()
@@ -67,6 +105,8 @@ class Metrics(EngineObserver):
         self._add_engine_metrics(self.registry)
         self._add_prefix_metrics(self.registry)
         self._add_embedding_metrics(self.registry)
+        self._turns = _TurnTotals()
+        self.registry.register(self._turns)
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -202,6 +242,10 @@ class Metrics(EngineObserver):
             ["event"],
             registry=r,
         )
+
+    def watch_turns(self, engine: str, party: Party) -> None:
+        """Shows `party`'s turns as this model's `engine` ("chat", "embeddings")."""
+        self._turns.watch(engine, party)
 
     def on_step(self, stats: StepStats) -> None:
         """Queues one engine step's statistics; they reach the series at the next `apply`:

@@ -62,8 +62,12 @@ class _Loader:
         self.turns = Turns() if engine_cfg.engine_turns == "shared" else None
         self.preparer = Preparer(self.turns)  # every chat model's requests
 
-    def _party(self, name: str) -> Party | None:
-        return None if self.turns is None else self.turns.join(name)
+    def _party(self, name: str, engine: str) -> Party:
+        """The engine's seat at the server's turns (without them: a seat of its own, never
+        contended), shown in the model's metrics as its `engine`'s turns."""
+        party = (self.turns or Turns()).join(f"{name} {engine}")
+        self.metrics.for_model(name).watch_turns(engine, party)
+        return party
 
     def engine_config(self, spec: ModelSpec) -> EngineConfig:
         engine = spec.preset.engine
@@ -117,7 +121,7 @@ class _Loader:
             runner,
             max_queue_inputs=self.server_cfg.max_queue * 64,
             on_batch=self.metrics.for_model(name).on_embedding_batch,
-            turns=self._party(f"{name} embeddings"),
+            turns=self._party(name, "embeddings"),
         )
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str) -> ServedModel:
@@ -147,7 +151,7 @@ class _Loader:
         served = ServedModel(
             name=spec.name,
             engine=AsyncEngine(
-                engine, max_queue=self.server_cfg.max_queue, turns=self._party(spec.name)
+                engine, max_queue=self.server_cfg.max_queue, turns=self._party(spec.name, "chat")
             ),
             vocab=runner.vocab,
             info=info,

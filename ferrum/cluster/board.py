@@ -1,6 +1,6 @@
 """The cluster's board: a small Ray actor where each replica leaves its /metrics and /health
-answers every stats period, and the ingress reads them all. A replica that stops posting
-(dead, or scaled down) drops off after a few missed periods."""
+answers every stats period, under its full Ray replica id, and the ingress reads them all. A
+replica that stops posting (dead, or scaled down) drops off after a few missed periods."""
 
 from __future__ import annotations
 

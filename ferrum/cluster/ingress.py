@@ -4,7 +4,9 @@ Every request is relayed whole to one replica (`FerrumReplica.handle`) through a
 handle whose router (`routers.py`) picks the replica from the request's `RouteKey`; the
 answer streams back as the replica's app sends it. `/metrics` and `/health` are the
 cluster's own: every replica's figures (from the board) with a `replica` label, and the
-cluster's status.
+cluster's status; the browser pages are served here (`ferrum.web`), while replicas start too.
+(`gather.py` merges every replica's /props and /slots; not wired yet: a request pinned to
+each replica through the handle waited in Ray's routing until cancelled, see its tests.)
 
 Faults: a replica that fails before answering is tried once more on another (nothing was
 generated yet); one that fails mid-answer ends the stream with an error in the route's own
@@ -35,6 +37,7 @@ from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.dialects import dialect_for, error_response, translation
 from ferrum.api.transport import read_body
 from ferrum.cluster.board import Board, board_name
+from ferrum.cluster.gather import short_id
 from ferrum.cluster.keys import (
     PromptKeys,
     key_registry,
@@ -53,6 +56,7 @@ from ferrum.models.registry import Lease
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration
 from ferrum.server_metrics import merge_replica_metrics
+from ferrum.web import page_answer, read_static
 
 log = logging.getLogger("ferrum.cluster")
 
@@ -85,6 +89,7 @@ class Relay:
         self.gate_keys = Keys.from_config(
             server.api_key, server.admin_key, server.keys_file, server.open_admin
         )
+        self.pages = None if server.no_webui else read_static()
 
     # -- the cluster's own routes -----------------------------------------------------------
 
@@ -110,7 +115,7 @@ class Relay:
         except FerrumError as exc:
             return _error(request.url.path, exc)
         posts = await self._posts()
-        text = merge_replica_metrics({r: m for r, (m, _) in posts.items()})
+        text = merge_replica_metrics({short_id(r): m for r, (m, _) in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> JSONResponse:
@@ -119,12 +124,19 @@ class Relay:
         except FerrumError as exc:  # this app has no error handlers: a raise would be a 500
             return _error(request.url.path, exc)
         posts = await self._posts()
-        replicas = {r: json.loads(h) for r, (_, h) in posts.items()}
+        replicas = {short_id(r): json.loads(h) for r, (_, h) in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
         body: dict[str, Any] = {"status": "ok" if ok else "error"}
         if not self.gate_keys.required or caller_of(request).tenant:
             body["replicas"] = replicas  # which models run where: for a key only
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    def page(self, request: Request) -> Response | None:
+        """A browser page or its file, from the ingress itself (it shows every replica, and
+        loads while replicas start); None: not one here (`/` asked by a non-browser)."""
+        if self.pages is None:
+            return None
+        return page_answer(request.url.path, request.headers.get("accept", ""), self.pages)
 
     # -- everything else, relayed -----------------------------------------------------------
 
@@ -274,6 +286,18 @@ class FerrumIngress:
     @http.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         return await self.relay.health(request)
+
+    @http.get("/")
+    async def chat_page(self, request: Request) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
+
+    @http.get("/dashboard")
+    async def dashboard_page(self, request: Request) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
+
+    @http.get("/web/{name}")
+    async def page_file(self, request: Request, name: str) -> Response:
+        return self.relay.page(request) or await self.relay.relay(request)
 
     @http.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, request: Request, path: str) -> Response:

@@ -69,7 +69,6 @@ class FerrumReplica:
     async def __init__(self, settings: ClusterSettings):  # type: ignore[misc]
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        self.short_id = self.replica_id.rsplit("#", 1)[-1]
         # The folder's lock and the catalog's scan are file I/O: off the event loop.
         self.app, self._folder_lock = await asyncio.to_thread(_build, settings)
         self.state: ServerState = self.app.state.ferrum
@@ -109,7 +108,8 @@ class FerrumReplica:
             health = await self._get("/health")
             if self._board is None:
                 self._board = ray.get_actor(board_name(self.settings.cluster.app_name))
-            await self._board.put.remote(self.short_id, metrics.decode(), health.decode())
+            # Its full id: the ingress pins its gathered requests to it (`gather.py`).
+            await self._board.put.remote(self.replica_id, metrics.decode(), health.decode())
         except Exception as exc:  # the board is for display; routing goes on without it
             self._board = None
             log.warning("could not post to the cluster board: %s", exc)

@@ -44,7 +44,10 @@ class Party:
         self.mean_turn_s = 0.0  # smoothed length of this party's turns (0: none yet)
         self.last_end = float("-inf")  # monotonic time its last turn ended
         self.waiting = False
+        # Running totals for the metrics (read from other threads: plain numbers, no lock).
         self.turns_taken = 0
+        self.held_s = 0.0  # seconds holding the cores
+        self.waited_s = 0.0  # seconds waiting for a turn while another party held them
         self._lap_start = 0.0  # monotonic time the turn held now (or its last lap) began
 
     @contextmanager
@@ -83,6 +86,7 @@ class Party:
             self.mean_turn_s += _SMOOTHING * (took - self.mean_turn_s)
         self.last_end = end
         self.turns_taken += 1
+        self.held_s += took
         self._lap_start = end
 
     def _wait_for_turn(self, wait: bool) -> bool:
@@ -94,9 +98,12 @@ class Party:
             ticket = turns.next_ticket
             turns.next_ticket += 1
             self.waiting = True
+            asked = time.monotonic() if turns.serving != ticket else None
             try:
                 while turns.serving != ticket:
                     turns.cond.wait()
+                if asked is not None:  # uncontended: no clock read, one lock round trip
+                    self.waited_s += time.monotonic() - asked
             except BaseException:  # never leave a ticket behind that nobody will serve
                 turns.abandoned.add(ticket)
                 turns.skip_abandoned()

@@ -14,6 +14,6 @@ keeps it in the browser).
     static/dashboard.js  /metrics and /slots polled, per-model charts and the slots table
 """
 
-from ferrum.web.pages import add_pages, is_page
+from ferrum.web.pages import add_pages, is_page, page_answer, read_static
 
-__all__ = ["add_pages", "is_page"]
+__all__ = ["add_pages", "is_page", "page_answer", "read_static"]

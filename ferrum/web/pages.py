@@ -37,7 +37,8 @@ def is_page(path: str) -> bool:
     return path in PAGES or path.startswith(ASSETS)
 
 
-def _read_static() -> dict[str, bytes]:
+def read_static() -> dict[str, bytes]:
+    """The pages' files by name (read once by whoever serves them)."""
     folder = resources.files("ferrum.web").joinpath("static")
     return {
         f.name: f.read_bytes()
@@ -52,6 +53,16 @@ def _answer(name: str, files: dict[str, bytes]) -> Response:
         raise NotFound("no such route")
     media = next(t for ext, t in _TYPES.items() if name.endswith(ext))
     return Response(body, media_type=media, headers=_HEADERS)
+
+
+def page_answer(path: str, accept: str, files: dict[str, bytes]) -> Response | None:
+    """The answer to `path` for an app that routes by hand (a cluster's ingress): a page or
+    a file; None for `/` asked by a client that is not a browser, which gets the API's own `/`,
+    or for a path that is neither (the caller relays it)."""
+    name = PAGES.get(path) or (path[len(ASSETS) :] if path.startswith(ASSETS) else None)
+    if name is None or name not in files or (path == "/" and "text/html" not in accept):
+        return None
+    return _answer(name, files)
 
 
 def _page(
@@ -69,7 +80,7 @@ def add_pages(app: FastAPI, plain: Callable[[], Response]) -> None:
     """The routes of both pages and their files (read now, once: small, and never on the
     event loop). Registered before the API's own `/`: a browser (which asks for HTML) gets
     the chat, any other client `plain()`, as it did before the pages."""
-    files = _read_static()
+    files = read_static()
 
     for path, name in PAGES.items():
         route = _page(name, files, plain)

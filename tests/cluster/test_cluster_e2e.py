@@ -184,6 +184,16 @@ def test_metrics_and_health_cover_every_replica(cluster):
     assert labelled == set(health["replicas"])
 
 
+def test_the_dashboard_is_served_by_the_ingress(cluster):
+    url = cluster["url"]
+    wait_for_replicas(url, 2)
+    page = httpx.get(url + "/dashboard", timeout=30)
+    assert page.status_code == 200 and "/web/dashboard.js" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert httpx.get(url + "/web/dashboard.js", timeout=30).status_code == 200
+    assert httpx.get(url + "/props", params={"model": MODEL}, timeout=30).status_code == 200
+
+
 def _stream_until_error(url: str) -> tuple[list[str], dict[str, str]]:
     body = {
         "messages": [{"role": "user", "content": "Count to a thousand."}],

@@ -201,8 +201,9 @@ def test_the_dashboard_moves_while_the_server_works(server, page):
         page.wait_for_function(
             """(model) => {
                 const section = document.querySelector(`section[data-model="${model}"]`);
-                const v = section && section.querySelector('[data-k="decode_tps"]');
-                return v && parseFloat(v.textContent) > 0;
+                const v = (k) => section && section.querySelector(`[data-k="${k}"]`);
+                // the engine's turns at the cores move with its steps (server.py's seats)
+                return ["decode_tps", "turns_rate"].every((k) => parseFloat(v(k).textContent) > 0);
             }""",
             arg=DEFAULT,
         )
@@ -215,3 +216,47 @@ def test_the_dashboard_moves_while_the_server_works(server, page):
             t.join(timeout=60)
     _not_blank(page, DOCS / "webui-dashboard.png")
     assert "(another key's)" not in page.locator("#slots").inner_text()  # its own requests
+
+
+def _cluster_metrics(poll: int) -> str:
+    """Two replicas' /metrics as `ferrum cluster` merges them; the turns counters grow."""
+    lines = []
+    for replica, queued in (("r1", 3), ("r2", 7)):
+        at = f'model="m",replica="{replica}"'
+        lines += [
+            f"ferrum_queue_depth{{{at}}} {queued}",
+            f'ferrum_engine_turns_total{{engine="chat",{at}}} {poll * 10 * queued}',
+            f'ferrum_engine_turn_seconds_total{{engine="chat",{at}}} {poll * 0.5}',
+            f'ferrum_models_loaded{{replica="{replica}"}} 1',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_dashboard_shows_each_replica_of_a_cluster(server, page):
+    polls = {"n": 0}
+    kv = {"block_size": 16, "blocks_total": 64, "blocks_free": 40, "blocks_parked": 8}
+    each = [{"replica": r, "loaded": True, "kv": kv} for r in ("r1", "r2")]
+    props = {"model_alias": "m", "loaded": True, "kv": kv, "replicas": each}
+    slot = {
+        "model": "m", "id": 0, "id_task": "cmpl-1", "state": "decoding", "n_prompt_tokens": 5,
+        "n_cached_tokens": 0, "n_computed_tokens": 6,
+        "next_token": {"n_decoded": 1, "n_remain": 9},
+    }  # fmt: skip
+
+    def metrics(route) -> None:
+        polls["n"] += 1
+        route.fulfill(body=_cluster_metrics(polls["n"]), content_type="text/plain")
+
+    page.route("**/metrics", metrics)
+    page.route("**/props*", lambda r: r.fulfill(json=props))
+    page.route("**/slots", lambda r: r.fulfill(json=[{**slot, "replica": "r2"}]))
+    page.goto(server + "/dashboard")
+    for replica, queued in (("r1", "3"), ("r2", "7")):
+        tile = page.locator(f'section[data-model="m"][data-replica="{replica}"] [data-k="queue"]')
+        playwright_api.expect(tile).to_have_text(queued)
+    turns = page.locator('section[data-replica="r2"] [data-k="turns_rate"]')
+    page.wait_for_function("(el) => parseFloat(el.textContent) > 0", arg=turns.element_handle())
+    playwright_api.expect(page.locator("#slots tbody tr").first).to_contain_text("r2")
+    page.select_option("#replica", "r2")
+    playwright_api.expect(page.locator('section[data-replica="r1"]')).to_be_hidden()
+    playwright_api.expect(page.locator('section[data-replica="r2"]')).to_be_visible()

@@ -8,6 +8,7 @@ series hold the same totals as if each step had been applied on its own.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from ferrum import metrics as metrics_module
 from ferrum.engine.outputs import FinishedRequest, StepStats
 from ferrum.engine.request import FinishReason
+from ferrum.engine.turns import Turns
 from ferrum.metrics import Metrics
 from ferrum.server_metrics import ServerMetrics
 
@@ -81,3 +83,44 @@ def test_queued_steps_add_up_to_the_same_series_as_steps_applied_one_by_one(monk
 
 def _series(m: Metrics) -> list[str]:
     return [line for line in m.render().decode().splitlines() if "_created" not in line]
+
+
+def test_engine_turns_show_turns_held_and_waited_per_engine_and_never_go_back():
+    turns = Turns()
+    server = ServerMetrics()
+    chat, embeddings = turns.join("m chat"), turns.join("m embeddings")
+    server.for_model("m").watch_turns("chat", chat)
+    server.for_model("m").watch_turns("embeddings", embeddings)
+    holding = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with embeddings.turn():
+            holding.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(5)
+    threading.Timer(0.05, release.set).start()
+    with chat.turn():  # waits for the embeddings' turn to end
+        pass
+    holder.join()
+
+    def value(name: str, engine: str) -> float:
+        labels = {"model": "m", "engine": engine}
+        found = server.registry.get_sample_value(name, labels)
+        return -1.0 if found is None else found
+
+    assert value("ferrum_engine_turns_total", "chat") == 1
+    assert value("ferrum_engine_turns_total", "embeddings") == 1
+    assert value("ferrum_engine_turn_wait_seconds_total", "chat") >= 0.04
+    assert value("ferrum_engine_turn_wait_seconds_total", "embeddings") == 0
+    assert value("ferrum_engine_turn_seconds_total", "embeddings") >= 0.04
+    # A reload: the model's new engine has a new seat; its counts add to the old ones.
+    again = turns.join("m chat")
+    server.for_model("m").watch_turns("chat", again)
+    with again.turn():
+        pass
+    assert value("ferrum_engine_turns_total", "chat") == 2
+    assert value("ferrum_engine_turn_wait_seconds_total", "chat") >= 0.04

@@ -10,6 +10,7 @@ import time
 from fastapi.testclient import TestClient
 
 from ferrum.api.auth import Keys
+from ferrum.web import page_answer, read_static
 from tests.factories import FakeRunner, fake_app
 
 KEY, OTHER = "k-one", "k-two"
@@ -133,3 +134,16 @@ def test_the_no_webui_flag_reaches_the_server_config():
     args = make_parser().parse_args(["serve", "--no-webui"])
     assert _build(ServerConfig, args).no_webui is True
     assert ServerConfig().no_webui is False
+
+
+def test_an_app_routing_by_hand_gets_the_pages_and_the_api_keeps_its_own_root():
+    files = read_static()
+    page = page_answer("/dashboard", "", files)
+    assert page is not None and b"dashboard.js" in page.body
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    chat = page_answer("/", "text/html,application/xhtml+xml", files)
+    assert chat is not None and b"chat.js" in chat.body
+    assert page_answer("/", "*/*", files) is None  # an Ollama client probing `GET /`
+    assert page_answer("/web/plot.js", "*/*", files) is not None
+    assert page_answer("/web/nothing.js", "*/*", files) is None
+    assert page_answer("/v1/models", "text/html", files) is None
