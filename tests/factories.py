@@ -424,7 +424,7 @@ def fake_app(runner: FakeRunner | None = None, *, models: dict | None = None, **
 
 # What the fake picks when its grammar refuses the model's token: the shortest way out first
 # (end, closing quote and brackets, a digit), else an allowed token chosen by the history.
-_PREFERRED = [EOS, *b'"}]0,']
+_PREFERRED = [EOS, *b'"}],1']
 
 
 def _constrained(constraint: Constraint, token: int, history: Sequence[int]) -> int:
