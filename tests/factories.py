@@ -233,6 +233,9 @@ class FakeRunner:
             if j == item.draft or token != guesses[j]:
                 break
         result.sampled[idx] = tokens
+        if sampler.constraint is not None:  # as the llama runner reports its masks
+            taken, sampler.constraint.mask_seconds = sampler.constraint.mask_seconds, []
+            result.mask_seconds += taken
         if logprobs:
             result.logprobs[idx] = logprobs
         del cells[real + len(tokens) - 1 :]

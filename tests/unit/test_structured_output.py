@@ -198,3 +198,12 @@ def test_constrained_choices_each_follow_the_grammar_with_logprobs():
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         assert re.fullmatch("[ab]{4}", choice["message"]["content"]), choice
+
+
+def test_mask_computations_are_counted_and_timed():
+    with TestClient(fake_app()) as client:
+        assert _chat(client, guided_regex="[0-9]{5}").is_success
+        text = client.get("/metrics").text
+    counted = re.search(r"^ferrum_structured_masks_total\S* (\S+)$", text, re.M)
+    assert counted and float(counted.group(1)) >= 5, text  # letters proposed: all refused
+    assert re.search(r"^ferrum_structured_mask_seconds_count\S* [1-9]", text, re.M)
