@@ -184,6 +184,19 @@ class Metrics(EngineObserver):
             registry=r,
         )
 
+        self.masks = Counter(
+            "ferrum_structured_masks",
+            "Token masks computed for structured output (a pick the grammar refused, or "
+            "logprobs asked)",
+            registry=r,
+        )
+        self.mask_seconds = Histogram(
+            "ferrum_structured_mask_seconds",
+            "Time to compute one structured-output token mask",
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+            registry=r,
+        )
+
     def _add_prefix_metrics(self, r: CollectorRegistry) -> None:
         self.prefix_hits = Counter(
             "ferrum_prefix_cache_hits", "Requests that reused a resident prefix", registry=r
@@ -299,6 +312,10 @@ class Metrics(EngineObserver):
             self.ttft.observe(t)
         for t in stats.inter_token_latencies:
             self.itl.observe(t)
+        if stats.mask_seconds:
+            self.masks.inc(len(stats.mask_seconds))
+            for t in stats.mask_seconds:
+                self.mask_seconds.observe(t)
         for f in stats.finished:
             self.requests.labels(finish_reason=f.finish_reason.value).inc()
             self.latency.observe(f.latency_s)

@@ -15,11 +15,12 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+import llguidance
+
+from ferrum.engine.constraint import Constraint, Constraints
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
-from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
 
 BOS = 256
@@ -69,11 +70,32 @@ def default_next_token(history: Sequence[int]) -> int:
 class FakeSampler:
     params: SamplingParams
     closed: bool = False
+    constraint: Constraint | None = None
+
+
+class _ByteTokenizer:
+    """What llguidance's TokenizerWrapper reads: the fake's 258 tokens."""
+
+    eos_token_id = EOS
+    bos_token_id = BOS
+    tokens = [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"]
+    special_token_ids = [BOS, EOS]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+def _byte_constraints() -> Constraints:
+    wrapper = llguidance.TokenizerWrapper(_ByteTokenizer())
+    return Constraints(llguidance.LLTokenizer(wrapper, slices=[]), [EOS])
+
+
+_BYTE_CONSTRAINTS: list[Constraints] = []  # built once: every fake vocabulary shares it
 
 
 class FakeVocab:
-    """Bytes are tokens 0-255; BOS and EOS above them. Grammars are not enforced; the fake
-    only refuses an empty one."""
+    """Bytes are tokens 0-255; BOS and EOS above them. Grammars are real llguidance ones over
+    these tokens (the fake runner enforces them)."""
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return byte_tokenize(text, add_special, parse_special)
@@ -87,13 +109,13 @@ class FakeVocab:
     def max_token_bytes(self) -> int:
         return 1  # a byte a token; BOS and EOS are never parsed from text
 
-    def check_grammar(self, grammar: str) -> None:
-        if not grammar.strip():
-            raise ValueError("empty grammar")
+    def constraints(self) -> Constraints:
+        if not _BYTE_CONSTRAINTS:
+            _BYTE_CONSTRAINTS.append(_byte_constraints())
+        return _BYTE_CONSTRAINTS[0]
 
-    @staticmethod
-    def json_schema_grammar(schema: dict[str, Any]) -> str:
-        return LlamaVocab.json_schema_grammar(schema)
+    def check_grammar(self, grammar: str) -> None:
+        self.constraints().check(grammar)
 
 
 @dataclass
@@ -120,7 +142,10 @@ class FakeRunner:
     def start_request(self, request_id: str, params: SamplingParams) -> None:
         if request_id in self.samplers:
             raise AssertionError(f"a second sampler for {request_id}")
-        self.samplers[request_id] = FakeSampler(params)
+        constraint = None
+        if params.grammar is not None:
+            constraint = self.vocab.constraints().constraint(params.grammar)
+        self.samplers[request_id] = FakeSampler(params, constraint=constraint)
 
     def finish_request(self, request_id: str) -> None:
         sampler = self.samplers.pop(request_id, None)
@@ -197,6 +222,8 @@ class FakeRunner:
         tokens, logprobs = [], []
         for j in range(item.draft + 1):
             token = self.next_token(cells[: real + j])
+            if sampler.constraint is not None:
+                token = _constrained(sampler.constraint, token, cells[: real + j])
             tokens.append(token)
             k = sampler.params.logprobs
             if k is not None:
@@ -206,6 +233,9 @@ class FakeRunner:
             if j == item.draft or token != guesses[j]:
                 break
         result.sampled[idx] = tokens
+        if sampler.constraint is not None:  # as the llama runner reports its masks
+            taken, sampler.constraint.mask_seconds = sampler.constraint.mask_seconds, []
+            result.mask_seconds += taken
         if logprobs:
             result.logprobs[idx] = logprobs
         del cells[real + len(tokens) - 1 :]
@@ -393,3 +423,19 @@ def fake_app(runner: FakeRunner | None = None, *, models: dict | None = None, **
         **registry_kw,  # type: ignore[arg-type]
     )
     return create_app(ServerState(models=registry, metrics=metrics, **state))  # type: ignore[arg-type]
+
+
+# What the fake picks when its grammar refuses the model's token: the shortest way out first
+# (end, closing quote and brackets, a digit), else an allowed token chosen by the history.
+_PREFERRED = [EOS, *b'"}],1']
+
+
+def _constrained(constraint: Constraint, token: int, history: Sequence[int]) -> int:
+    if not constraint.allows(token):
+        allowed = constraint.allowed(N_VOCAB)
+        ids = [t for t in _PREFERRED if allowed[t]] or [int(t) for t in allowed.nonzero()[0]]
+        if not ids:
+            return EOS
+        token = ids[0] if ids[0] in _PREFERRED else ids[len(history) % len(ids)]
+    constraint.accept(token)
+    return token

@@ -86,8 +86,8 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     fmt = model.formatter.tool_format
     grammar = model.grammars.for_tools(tools, fmt)
     if grammar is None:
-        grammar = model.grammars.for_response_format(body.response_format)
-    elif body.response_format is not None and body.response_format.type != "text":
+        grammar = model.grammars.for_request(body.response_format, body)
+    elif model.grammars.for_request(body.response_format, body) is not None:
         raise InvalidRequest(
             "response_format cannot be combined with a tool_choice that forces a call",
             param="response_format",
@@ -125,7 +125,9 @@ def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
         prompt = model.vocab.tokenize(prompt_in, True, True)
     else:
         prompt = check_token_ids(model.info.n_vocab, prompt_in, "prompt")
-    return Prepared(prompt, CompletionKind(chat=False, token_bytes=model.vocab.token_bytes))
+    grammar = model.grammars.for_request(None, body)
+    kind = CompletionKind(chat=False, token_bytes=model.vocab.token_bytes)
+    return Prepared(prompt, kind, grammar)
 
 
 def utf8_length(text: str) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from ferrum.engine.request import SamplingParams
 
@@ -56,6 +56,9 @@ class StepResult:
     decode_calls: int = 0
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
     decode_s: float = 0.0  # seconds inside llama_decode (0: not measured, as by test fakes)
+    # Structured output: token masks computed (a constrained pick the grammar refused, or
+    # logprobs asked), each one's seconds.
+    mask_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,9 @@ class Vocabulary(Protocol):
         ...
 
     def check_grammar(self, grammar: str) -> None:
-        """ValueError when the GBNF text cannot be parsed; a parsed grammar is kept, so a
-        request that uses it later is not parsed again."""
-        ...
-
-    def json_schema_grammar(self, schema: dict[str, Any]) -> str:
-        """GBNF enforcing a JSON schema; ValueError when the converter cannot."""
+        """ValueError naming why llguidance cannot compile the grammar text
+        (`engine/constraint.py`); a compiled grammar is kept, so a request that uses it later
+        is not compiled again."""
         ...
 
 

@@ -179,6 +179,7 @@ class LLMEngine:
             self.speculator.timed(sched.num_tokens, result.decode_s)
         stats.decode_retries = max(0, result.decode_calls - 1)
         stats.faults_injected = result.faults_injected
+        stats.mask_seconds = result.mask_seconds
         now = time.monotonic()
         for i, c in enumerate(sched.chunks):
             req = c.request

@@ -75,6 +75,7 @@ class StepStats:
     active_requests: int = 0
     ttfts: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    mask_seconds: list[float] = field(default_factory=list)  # structured output's token masks
     finished: list[FinishedRequest] = field(default_factory=list)
 
 

@@ -54,7 +54,7 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-generation and stop tokens are banned until this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias); -100 or less bans
     logprobs: int | None = None  # None: none; k ≥ 0: the sampled token's and k alternatives
-    grammar: str | None = None  # GBNF (root rule "root") the output must match
+    grammar: str | None = None  # llguidance grammar text the output must match (constraint.py)
     speculate: bool | None = None  # n-gram speculation for this request; None: the server's
     # Whose prefix KV the request may reuse and leaves for reuse: only requests of the same
     # scope share cached prefixes (resident, RAM or disk), so one key cannot read another's

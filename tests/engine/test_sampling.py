@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from ferrum.engine.constraint import to_grammar
 from ferrum.engine.engine import LLMEngine
 from tests.factories import run_to_completion, sampling
 from tests.tiny_models import EOS_ID, IM_END_ID
@@ -18,7 +19,7 @@ from tests.tiny_models import EOS_ID, IM_END_ID
 from .test_tiny_models import engine_for
 
 PROMPT = "the model of the world under the sun"
-SHORT_OBJECT = r'root ::= "{" [a-z]{2,5} "}"'
+SHORT_OBJECT = to_grammar("grammar", r'root ::= "{" [a-z]{2,5} "}"')
 
 
 def _run(engine: LLMEngine, **params) -> dict:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from ferrum.config import EngineConfig
+from ferrum.engine.constraint import to_grammar
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.llama import runner as runner_module
 from ferrum.engine.llama.runner import LlamaRunner
@@ -162,10 +163,11 @@ def test_a_grammar_is_parsed_once_and_each_request_gets_its_own_copy(tiny_llama)
     cfg = EngineConfig(ctx_size=256, parallel=2, batch_size=32, threads=1)
     r = LlamaRunner(cfg, tiny_llama)
     try:
-        grammar = 'root ::= "hello" " world"'
+        grammar = to_grammar("grammar", 'root ::= "hello" " world"')
         r.vocab.check_grammar(grammar)
+        compiled = r.vocab.constraints().compile_s
         r.vocab.check_grammar(grammar)
-        assert list(r.vocab._grammars) == [grammar]
+        assert r.vocab.constraints().compile_s == compiled  # kept: not compiled again
         engine = LLMEngine(r, block_size=16, max_running=2)
         params = sampling(max_tokens=32, grammar=grammar)
         for rid in ("a", "b"):

@@ -338,11 +338,12 @@ def test_an_output_format_is_a_schema_grammar():
         r = client.post("/v1/messages", json=_body(output_config=output))
         assert r.status_code == 200, r.text
         assert runner.closed_samplers[-1].params.grammar is not None
-        bad = {"format": {"type": "json_schema", "schema": {"type": "integer", "minimum": 3}}}
+        unenforceable = {"type": "array", "uniqueItems": True}
+        bad = {"format": {"type": "json_schema", "schema": unenforceable}}
         says = _refused(
             client.post("/v1/messages", json=_body(output_config=bad)), 400, "invalid_request_error"
         )
-        assert says.startswith("output_config.format.schema") and "minimum" in says
+        assert says.startswith("output_config.format.schema") and "uniqueItems" in says
         forced = _body(
             output_config=output,
             tools=[WEATHER],

@@ -108,7 +108,8 @@ def test_completions_stream_and_whole_agree(client):
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"schema": {"type": "integer", "minimum": 3}},
+                    # llguidance cannot enforce uniqueItems (it honours minimum now)
+                    "json_schema": {"schema": {"type": "array", "uniqueItems": True}},
                 }
             },
             "response_format.json_schema.schema",

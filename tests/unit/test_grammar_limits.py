@@ -5,28 +5,18 @@ caches are bounded behind that."""
 
 from __future__ import annotations
 
-import ctypes
 import time
-from collections.abc import Iterator
-from typing import Any
 
-import llama_cpp as ll
 import pytest
 from fastapi.testclient import TestClient
 
 from ferrum.api.openai.bodies import ResponseFormat
 from ferrum.api.prompting.grammar import GrammarBuilder
 from ferrum.api.prompting.schema_limits import MAX_ALTERNATIVES, MAX_DEPTH, MAX_REPEAT
-from ferrum.engine.llama.vocab import (
-    MAX_BUILD_SECONDS,
-    MAX_GRAMMAR_BYTES,
-    MAX_GRAMMAR_NESTING,
-    LlamaVocab,
-)
+from ferrum.engine.constraint import MAX_SOURCE_BYTES, Constraints
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
-from tests.factories import FakeVocab, fake_app
-from tests.tiny_models import write_tiny_llama
+from tests.factories import FakeVocab, _ByteTokenizer, fake_app
 
 # The finding: 200 bytes of request, 18 MB of grammar.
 ATTACK = {"type": "array", "items": {"type": "integer"}, "minItems": 1_000_000}
@@ -150,23 +140,29 @@ def test_real_schemas_within_the_bounds_still_build():
     )
     started = time.perf_counter()
     grammar = GrammarBuilder(FakeVocab()).for_response_format(fmt)
-    assert grammar and len(grammar) < MAX_GRAMMAR_BYTES
+    assert grammar
     assert time.perf_counter() - started < 2  # a guard against a runaway, not a measurement
 
 
-# -- behind the checks: the converter's own bounds ------------------------------------------
+# -- behind the checks: llguidance's own bounds ----------------------------------------------
 
 
-def test_the_converter_stops_at_the_grammar_byte_bound():
-    # Straight to the vocabulary, as a caller that skipped the schema checks would: each
-    # count within MAX_REPEAT, 2,000 of them (36 MB of grammar unbounded).
-    many = {f"p{i}": ATTACK | {"minItems": 1000 + i} for i in range(2000)}
-    started = time.perf_counter()
-    # On a loaded machine the time bound may come first: either stops the runaway.
-    bound = rf"over ({MAX_GRAMMAR_BYTES} bytes|{MAX_BUILD_SECONDS} s)"
-    with pytest.raises(ValueError, match=bound):
-        LlamaVocab.json_schema_grammar({"type": "object", "properties": many})
-    assert time.perf_counter() - started < 3
+def test_a_grammar_source_over_the_byte_bound_is_refused_naming_the_field():
+    with TestClient(fake_app()) as client:
+        body = {"model": "fake", "prompt": "x", "guided_regex": "a" * (MAX_SOURCE_BYTES + 1)}
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_regex"
+    assert f"at most {MAX_SOURCE_BYTES}" in r.json()["error"]["message"]
+
+
+def test_a_grammar_nested_too_deep_is_refused_not_a_crash():
+    deep = "start: " + '("a" ' * 18_000 + ")?" * 18_000  # under the byte bound
+    with TestClient(fake_app()) as client:
+        body = {"model": "fake", "prompt": "x", "guided_grammar": deep}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).is_success
 
 
 # -- the caches, bounded by bytes -----------------------------------------------------------
@@ -190,11 +186,11 @@ def test_the_lru_evicts_by_bytes_and_by_count():
 
 
 def test_the_builder_keeps_grammars_by_bytes():
-    bound = 64 * 1024
+    bound = 16 * 1024
     builder = GrammarBuilder(FakeVocab(), kept_bytes=bound)
     total = 0
     for n in range(50):
-        schema = {"type": "array", "items": {"type": "integer"}, "minItems": 900 + n}
+        schema = {"type": "array", "items": {"type": "integer"}, "description": "d" * 4000 + str(n)}
         fmt = ResponseFormat.model_validate(
             {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         )
@@ -214,52 +210,15 @@ def test_a_refused_schema_is_an_invalid_request_at_the_builder():
     assert err.value.param == "response_format.json_schema.schema"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Iterator[Any]:
-    """A tiny llama's model, its vocabulary only (milliseconds)."""
-    ll.llama_log_set(_QUIET, ctypes.c_void_p(0))
-    ll.llama_backend_init()
-    params = ll.llama_model_default_params()
-    params.vocab_only = True
-    path = write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
-    model = ll.llama_model_load_from_file(str(path).encode(), params)
-    assert model
-    yield model
-    ll.llama_model_free(model)
+def test_compiled_grammars_are_kept_by_bytes():
+    import llguidance
 
+    from ferrum.engine.constraint import to_grammar
 
-_QUIET = ll.llama_log_callback(lambda level, text, data: None)
-
-
-def test_a_grammar_over_the_byte_bound_is_refused_before_parsing(tiny_model):
-    vocab = LlamaVocab(tiny_model)
-    with pytest.raises(ValueError, match=f"at most {MAX_GRAMMAR_BYTES} are allowed"):
-        vocab.check_grammar("root ::= " + '"a" ' * (MAX_GRAMMAR_BYTES // 4 + 1))
-    vocab.close()
-
-
-def test_a_grammar_nested_too_deep_is_refused_not_a_crash(tiny_model):
-    # 30,000 levels: 210 KB, under the byte bound; llama.cpp's parser overflowed its stack
-    # (the server died by segfault) from between 10,000 and 20,000.
-    vocab = LlamaVocab(tiny_model)
-    deep = "root ::= " + '("a" ' * 30_000 + ")?" * 30_000
-    with pytest.raises(ValueError, match=f"more than {MAX_GRAMMAR_NESTING} deep"):
-        vocab.check_grammar(deep)
-    # Parentheses in literals and classes are not nesting.
-    vocab.check_grammar('root ::= "(((" [(] ' + '("a" ' * 100 + ")?" * 100 + ' "((" ' * 3000)
-    vocab.close()
-
-
-def test_the_vocabulary_keeps_parsed_grammars_by_bytes(tiny_model):
-    bound = 2 * 1024 * 1024
-    vocab = LlamaVocab(tiny_model, kept_grammar_bytes=bound)
-    try:
-        for n in range(20):  # ~18 KB each, 8 bytes a character estimated: 3 MB in all
-            schema = {"type": "array", "items": {"type": "integer"}, "minItems": 950 + n}
-            vocab.check_grammar(LlamaVocab.json_schema_grammar(schema))
-            assert vocab.kept_grammar_bytes <= bound
-        assert vocab.kept_grammar_bytes > bound // 2
-        first = LlamaVocab.json_schema_grammar(ATTACK | {"minItems": 950})
-        ll.llama_sampler_free(vocab.grammar_sampler(first))  # pushed out: parsed again
-    finally:
-        vocab.close()
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()), slices=[])
+    bound = 4 * 1024 * 1024
+    constraints = Constraints(tokenizer, [257], kept_bytes=bound)
+    for n in range(40):  # ~200 B of grammar each, 256 B a character estimated: 2 MB in all
+        constraints.check(to_grammar("regex", f"[a-z]{{{n}}}" + "x" * 150))
+        assert constraints.kept_bytes <= bound
+    assert constraints.kept_bytes > bound // 2

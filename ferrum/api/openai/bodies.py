@@ -123,6 +123,16 @@ class ResponseFormat(_Body):
         return self
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    # `json` shadows a BaseModel method, hence the alias.
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class FunctionDef(_Body):
     # OpenAI allows letters, digits, "_" and "-"; dots are common in MCP tool names.
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
@@ -184,6 +194,15 @@ class _SamplingBody(_Body):
     # Extension (vLLM's name): the request reuses, and leaves for reuse, only prompt prefixes
     # of requests with the same salt (`ferrum.api.auth.cache_scope`).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Extensions, structured output (api/prompting/grammar.py): llama-server's `json_schema`
+    # and `grammar` (GBNF), vLLM's `guided_*` and `structured_outputs`.
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -202,6 +221,27 @@ class _SamplingBody(_Body):
 
     def reject_unsupported(self) -> None:
         pass
+
+    def constraint_fields(self) -> list[tuple[str, str, Any]]:
+        """(parameter, kind, source) of each structured-output extension field given; the
+        kinds are `ferrum.engine.constraint.KINDS`."""
+        fields: list[tuple[str, str, Any]] = [
+            ("json_schema", "json_schema", self.json_schema),
+            ("grammar", "grammar", self.grammar),
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        ]
+        so = self.structured_outputs
+        if so is not None:
+            fields += [
+                ("structured_outputs.json", "json_schema", so.json_),
+                ("structured_outputs.regex", "regex", so.regex),
+                ("structured_outputs.choice", "choice", so.choice),
+                ("structured_outputs.grammar", "grammar", so.grammar),
+            ]
+        return [f for f in fields if f[2] is not None]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -253,6 +293,9 @@ class _SamplingBody(_Body):
             grammar=grammar,
             speculate=self.speculate,
         )
+
+
+StructuredRequest = _SamplingBody  # what api/prompting/grammar.py reads
 
 
 class ChatCompletionRequest(_SamplingBody):

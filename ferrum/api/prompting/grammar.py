@@ -1,73 +1,53 @@
-"""Grammars the sampler enforces: `response_format` and forced tool calls → llama.cpp GBNF.
+"""What the sampler enforces (structured output), from every request field that asks for it,
+as llguidance grammars (`ferrum/engine/constraint.py`):
 
-    text                    → no grammar
-    json_object             → JSON_OBJECT_GRAMMAR (any JSON object)
-    json_schema             → the schema is checked (valid draft 2020-12, and only keywords
-                              the converter enforces), converted to GBNF, parsed by llama.cpp
-    tool_choice required /  → the format's markers around one call's JSON (or several), whose
-    a named function          arguments follow each chosen function's `parameters` schema
+    response_format text             → no grammar
+    response_format json_object      → any JSON object
+    response_format json_schema      → the schema (Ollama's `format`, Anthropic's
+    (and llama-server's json_schema,   output_config.format and Responses' text.format arrive
+    vLLM's guided_json / structured_    here as response_format)
+    outputs.json)
+    guided_regex / structured_outputs.regex     → the regex
+    guided_choice / structured_outputs.choice   → one of the strings
+    grammar (llama-server's GBNF), guided_grammar / structured_outputs.grammar
+                                                → GBNF or Lark, converted to llguidance's Lark
+    tool_choice required / a named function     → the format's markers around one call's JSON
+                                                  (or several), arguments per `parameters`
 
-Any failure is a 400 naming the parameter. A keyword the converter would silently ignore (say
-`minimum`) is refused rather than accepted and not enforced: a client that sends it would
-otherwise get output that breaks its schema. A schema that would compile to a costly grammar
-(a million-item minItems, deep nesting, thousands of choices) is refused before conversion
-(schema_limits.py); the vocabulary bounds the conversion itself.
+Any failure is a 400 naming the parameter and what failed. A JSON schema is checked first for
+what it may cost (schema_limits.py) and against the draft 2020-12 metaschema; keywords that
+only annotate (unknown ones included, as JSON Schema says) are ignored, and one llguidance
+cannot honour (`not`, `uniqueItems`, …) is refused by name rather than accepted and not
+enforced: a client that sends it would otherwise get output that breaks its schema.
 
-Agents send the same schemas again and again, and checking plus converting a large one costs
-tens of milliseconds of Python: `GrammarBuilder` keeps the grammar of each schema it built
-(bounded by count and by bytes, least recently used out), and the vocabulary keeps it
-parsed, so a repeated schema costs one dictionary lookup. Callers run it in a worker
-thread, never on the event loop.
+Agents send the same schemas again and again: `GrammarBuilder` keeps the grammar text of each
+request field it built (bounded by count and by bytes, least recently used out), and the
+vocabulary keeps it compiled, so a repeated schema costs one dictionary lookup. Callers run it
+in a worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import jsonschema_rs
 
-from ferrum.api.openai.bodies import ResponseFormat
-from ferrum.api.prompting.schema_limits import check_limits, walk
+from ferrum.api.openai.bodies import ResponseFormat, StructuredRequest
+from ferrum.api.prompting.schema_limits import check_limits
 from ferrum.api.prompting.tool_calls import ToolFormat
 from ferrum.api.prompting.tool_request import Function, ToolRequest
+from ferrum.engine.constraint import lark_json, to_grammar
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
 
-# Written from the JSON grammar (RFC 8259). Whitespace between tokens is bounded so that a
-# model cannot run away in it.
-JSON_OBJECT_GRAMMAR = r"""
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ( "," ws string ":" ws value )* )? "}" ws
-array  ::= "[" ws ( value ( "," ws value )* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\"" ws
-number ::= "-"? ( "0" | [1-9] [0-9]{0,15} ) ( "." [0-9]{1,16} )? ( [eE] [-+]? [0-9]{1,4} )? ws
-ws     ::= ( " " | "\n" [ \t]{0,20} )?
-"""
-
-# Keywords the JSON-schema-to-grammar converter turns into grammar rules.
-_ENFORCED = {
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern",
-    "minLength", "maxLength", "format", "$defs", "definitions",
-}  # fmt: skip
-# Keywords that only describe; they change nothing a grammar could enforce.
-_ANNOTATIONS = {
-    "title", "description", "default", "examples", "$schema", "$id", "$comment",
-    "deprecated", "readOnly", "writeOnly", "nullable", "strict",
-}  # fmt: skip
-_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
-
-
 # Grammars kept: by count, and by bytes (key and grammar text, one byte a character for the
-# ASCII that schemas and GBNF are), so that large grammars cannot hold memory that a count
-# does not see: 256 typical grammars (5-20 KB) fit both; 16 MiB holds 16 of the largest the
-# vocabulary builds (MAX_GRAMMAR_BYTES).
+# ASCII that schemas and grammars are), so that large grammars cannot hold memory that a count
+# does not see: 256 typical grammars (5-20 KB) fit both; 16 MiB holds 64 of the largest
+# schemas admitted (schema_limits.MAX_SCHEMA_BYTES).
 _KEPT = 256
 _KEPT_BYTES = 16 * 1024 * 1024
 
@@ -80,27 +60,52 @@ class GrammarBuilder:
         self._built: SizedLRU[str, str] = SizedLRU(kept, kept_bytes)
         self._lock = threading.Lock()
 
+    def for_request(self, fmt: ResponseFormat | None, body: StructuredRequest) -> str | None:
+        """The grammar a request's fields ask for (response_format or one of the extension
+        fields; two of them at once are refused), or None for free text."""
+        asked = body.constraint_fields()
+        if fmt is not None and fmt.type != "text":
+            asked.insert(0, ("response_format", "", fmt))
+        if len(asked) > 1:
+            names = ", ".join(param for param, _, _ in asked)
+            raise InvalidRequest(
+                f"only one structured output may be asked at once; got {names}", param=asked[1][0]
+            )
+        if not asked:
+            return None
+        param, kind, source = asked[0]
+        if isinstance(source, ResponseFormat):
+            return self.for_response_format(source)
+        if kind == "json_schema":
+            return self.for_schema(source, param)
+        return self._kept_or_built(_key(kind, source), lambda: to_grammar(kind, source), param)
+
     def for_response_format(self, fmt: ResponseFormat | None) -> str | None:
         """The grammar for a response_format, or None for free text."""
         if fmt is None or fmt.type == "text":
             return None
         if fmt.type == "json_object":
-            return self._kept_or_built(
-                "json_object", lambda: JSON_OBJECT_GRAMMAR, "response_format"
-            )
+            return self.for_schema({"type": "object"}, "response_format")
         if fmt.json_schema is None:
             raise InvalidRequest("json_schema is required", param="response_format.json_schema")
-        schema = fmt.json_schema.json_schema
-        param = "response_format.json_schema.schema"
+        return self.for_schema(fmt.json_schema.json_schema, "response_format.json_schema.schema")
+
+    def for_schema(self, schema: Any, param: str) -> str:
+        """The grammar of a JSON schema (a string is parsed as JSON first)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequest(f"{param} is not valid JSON: {exc}", param=param) from exc
 
         def build() -> str:
             check_schema(schema, param)
-            return self._vocab.json_schema_grammar(schema)
+            return to_grammar("json_schema", schema)
 
         return self._kept_or_built(_key("schema", schema), build, param)
 
     def for_tools(self, tools: ToolRequest, fmt: ToolFormat) -> str | None:
-        """GBNF that admits only calls in `fmt`: one or more (`required`; one when not
+        """A grammar that admits only calls in `fmt`: one or more (`required`; one when not
         parallel) or exactly one of the forced function; None when the model may answer
         freely."""
         chosen = tools.chosen()
@@ -111,9 +116,10 @@ class GrammarBuilder:
         def build() -> str:
             for i, f in enumerate(tools.functions):
                 if f in chosen:
-                    check_schema(f.parameters, f"tools[{i}].function.parameters")
+                    # Each schema alone first, so that a refusal names its function.
+                    self.for_schema(f.parameters, f"tools[{i}].function.parameters")
             schema = _calls_schema(chosen, fmt.args_key)
-            return _wrap(self._vocab.json_schema_grammar(schema), fmt, many)
+            return to_grammar("grammar", _calls_lark(lark_json(schema), fmt, many))
 
         key = _key(
             "tools", [f.name for f in chosen], [f.parameters for f in chosen], fmt.name, many
@@ -126,8 +132,8 @@ class GrammarBuilder:
         try:
             if grammar is None:
                 grammar = build()
-            # Also for a kept grammar: the vocabulary keeps fewer parsed ones, and one it let go
-            # is parsed again here, in the worker thread, not on the engine thread.
+            # Also for a kept grammar: the vocabulary keeps fewer compiled ones, and one it let
+            # go is compiled again here, in the worker thread, not on the engine thread.
             self._vocab.check_grammar(grammar)
         except (ValueError, RecursionError) as exc:
             raise InvalidRequest(f"{param}: {exc}", param=param) from exc
@@ -148,7 +154,8 @@ def _key(*parts: Any) -> str:
 
 def check_schema(schema: Any, param: str) -> None:
     """InvalidRequest naming the first problem: a schema too costly to compile (before any
-    other work, see schema_limits.py), an invalid schema or an unenforced keyword."""
+    other work, see schema_limits.py) or an invalid schema. Keywords are llguidance's to judge
+    (it refuses those it cannot honour, by name)."""
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON object", param=param)
     check_limits(schema, param)
@@ -164,40 +171,14 @@ def check_schema(schema: Any, param: str) -> None:
         ) from exc
     except jsonschema_rs.ReferencingError as exc:
         raise InvalidRequest(f"{param} is not a valid JSON schema: {exc}", param=param) from exc
-    for path, node, _ in walk(schema, param):
-        for key, value in node.items():
-            if key not in _ENFORCED and key not in _ANNOTATIONS:
-                raise InvalidRequest(
-                    f"{path}: the JSON schema keyword {key!r} is not supported "
-                    "(structured output could not enforce it)",
-                    param=param,
-                )
-            if key == "format" and value not in _FORMATS:
-                raise InvalidRequest(
-                    f"{path}: format {value!r} is not supported (supported: "
-                    f"{', '.join(sorted(_FORMATS))})",
-                    param=param,
-                )
-            if key == "pattern":
-                try:
-                    re.compile(value)
-                except re.error as exc:
-                    raise InvalidRequest(
-                        f"{path}: pattern {value!r} is not a regular expression: {exc}",
-                        param=param,
-                    ) from exc
-            if key == "$ref" and not str(value).startswith("#"):
-                raise InvalidRequest(f"{path}: only local $refs (#/...) are supported", param=param)
 
 
-def _wrap(rules: str, fmt: ToolFormat, many: bool) -> str:
-    """The converter's rules, its start rule renamed to one call's JSON, under a start rule
-    that puts the format's markers around one call (or several)."""
-    rules = re.sub(r"(?m)^root ::=", "ferrum-call-json ::=", rules)
-    item = _seq(_literal(fmt.call_open), "ferrum-call-json", _literal(fmt.call_close))
-    more = f"({_seq(_literal(fmt.call_sep), 'ferrum-call')})*" if many else ""
-    root = _seq(_literal(fmt.list_open), "ferrum-call", more, _literal(fmt.list_close))
-    return f"root ::= {root}\nferrum-call ::= {item}\n{rules}"
+def _calls_lark(call_json: str, fmt: ToolFormat, many: bool) -> str:
+    """Lark: the format's markers around one call (or several), each call's JSON embedded."""
+    more = f"({_seq(_literal(fmt.call_sep), 'call')})*" if many else ""
+    start = _seq(_literal(fmt.list_open), "call", more, _literal(fmt.list_close))
+    call = _seq(_literal(fmt.call_open), "call_json", _literal(fmt.call_close))
+    return f"start: {start}\ncall: {call}\ncall_json: {call_json}\n"
 
 
 def _calls_schema(functions: list[Function], key: str) -> dict[str, Any]:
@@ -231,10 +212,7 @@ def _rebase_refs(node: Any, base: str) -> Any:
 
 
 def _literal(text: str) -> str:
-    if not text:
-        return ""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return '"' + escaped.replace("\r", "\\r").replace("\t", "\\t") + '"'
+    return json.dumps(text) if text else ""
 
 
 def _seq(*parts: str) -> str:

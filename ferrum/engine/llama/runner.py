@@ -293,6 +293,7 @@ class LlamaRunner:
             if j == item.draft or token != guesses[j]:
                 break
         result.sampled[i] = tokens
+        result.mask_seconds += sampler.take_mask_seconds()
         if logprobs:
             result.logprobs[i] = logprobs
         accepted = len(tokens) - 1

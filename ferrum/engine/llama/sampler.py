@@ -5,16 +5,14 @@ The chain, in order:  [logit bias] [penalties]  greedy
 Logprobs are the model's own log-softmax at the sampled position, taken before any of these
 settings change the logits, and computed only for requests that ask.
 
-Grammar-constrained requests (response_format, forced tool calls) sample as llama.cpp's own
-tools do: the chain picks a token, the grammar checks that one token, and only when it refuses
-is the grammar applied to a shortlist (the 256 most likely tokens, plus ending and biased ones)
-and the chain run again on what is left; the whole vocabulary (262k tokens on Gemma 3, ~50 ms
-a pass) is masked only when nothing on the shortlist is allowed.
-
-Safety: a grammar that accepts a token it does not allow kills the process (GGML_ABORT for an
-end-of-generation token before the grammar is complete, an uncaught C++ exception otherwise),
-so no token reaches `llama_sampler_accept(grammar, ...)` without passing the one-token check.
-When the grammar admits nothing at all, the sampler returns the end-of-generation token.
+Constrained requests (structured output: JSON Schema, regex, choice, grammars) sample against
+an llguidance matcher (`engine/constraint.py`), sample-then-check: the chain picks a token from
+the unmasked logits and the matcher checks that one token (microseconds); only when it refuses
+is the whole vocabulary's mask computed (~50 µs) and the chain run again over the allowed
+tokens. A constrained request that asks for logprobs gets the mask at every position, and its
+logprobs describe the distribution it was sampled from (the model's, restricted to what the
+grammar allows). An end-of-generation token is allowed only once the grammar is complete; when
+the grammar allows nothing (or its matcher failed a step limit) the output ends.
 
 This module, the runner and the vocabulary are the only ones that import llama_cpp.
 """
@@ -27,13 +25,13 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
+from ferrum.engine.constraint import Constraint
 from ferrum.engine.contracts import TokenLogprobs
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
 
 _PENALTY_LAST_N = 64
 _BAN_BIAS = -100.0  # OpenAI's convention: a bias of -100 bans the token
-_SHORTLIST = 256  # candidates a grammar masks before it falls back to the whole vocabulary
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(ll.llama_token_data)
 
@@ -102,14 +100,9 @@ class Sampler:
             sorted(set(end_tokens) | set(params.stop_token_ids)), dtype=np.int64
         )
         self._end_token = end_tokens[0] if end_tokens else 0
-        # Always among the grammar's shortlist: tokens that end the output, and biased ones
-        # (a bias can lift a token the raw logits rank low).
-        self._always_listed = np.array(
-            sorted(set(end_tokens) | {t for t, _ in params.logit_bias}), dtype=np.int64
-        )
         self._candidates: np.ndarray | None = None
         self._views: dict[int, np.ndarray] = {}
-        self._grammar = None
+        self._constraint: Constraint | None = None
         self._chain = _chain(params, n_vocab)
         # Only penalty samplers remember accepted tokens (greedy and dist keep no history).
         self._stateless_chain = (
@@ -119,15 +112,10 @@ class Sampler:
         )
         # Plain greedy: numpy's argmax picks what llama.cpp's greedy sampler would (the first
         # of equal maxima) without building a candidate array over the whole vocabulary.
-        self._plain_greedy = (
-            params.greedy
-            and not params.logit_bias
-            and self._stateless_chain
-            and params.grammar is None
-        )
+        self._plain_greedy = params.greedy and not params.logit_bias and self._stateless_chain
         if params.grammar is not None:
             try:
-                self._grammar = vocab.grammar_sampler(params.grammar)
+                self._constraint = vocab.constraint(params.grammar)
             except ValueError:
                 self.close()
                 raise
@@ -148,43 +136,72 @@ class Sampler:
 
     def sample(self, ctx: Any, index: int) -> tuple[int, TokenLogprobs | None]:
         logits = self._logits(ctx, index)
-        # Logprobs describe the model, so they are read before the ban below edits the logits.
-        dist = None if self._num_logprobs is None else _Distribution(logits, self._num_logprobs)
+        allowed = None
+        if self._constraint is not None and self._num_logprobs is not None:
+            allowed = self._constraint.allowed(self._n_vocab)
+        # Logprobs describe the model (restricted to the grammar when there is one), so they
+        # are read before the ban below edits the logits.
+        dist = None
+        if self._num_logprobs is not None:
+            described = logits if allowed is None else np.where(allowed, logits, -np.inf)
+            dist = _Distribution(described, self._num_logprobs)
         if self._sampled < self._min_tokens and self._early_ban.size:
             logits[self._early_ban] = -np.inf  # llama.cpp's own logits buffer, read below
-        if self._plain_greedy:
-            token = int(np.argmax(logits))
-        elif self._grammar is None:
-            token = ll.llama_sampler_sample(self._chain, ctx, index)
+        if self._constraint is not None:
+            token = self._sample_constrained(self._constraint, ctx, index, logits, allowed)
         else:
-            token = self._sample_constrained(ctx, index, logits)
+            token = self._pick(ctx, index, logits)
         self._sampled += 1
         return token, None if dist is None else dist.describe(token)
 
-    def _sample_constrained(self, ctx: Any, index: int, logits: np.ndarray) -> int:
+    def _pick(self, ctx: Any, index: int, logits: np.ndarray) -> int:
+        """The chain's token from the unmasked logits (not accepted into a stateful chain)."""
+        if self._plain_greedy:
+            return int(np.argmax(logits))
         if self._stateless_chain:
-            # Fast path in C; the chain's accept of a refused token changes nothing.
-            token = ll.llama_sampler_sample(self._chain, ctx, index)
-        else:
-            token = self._apply([self._chain], logits)
-        if not self._allows(token):
-            # The grammar first masks only the most likely tokens (plus the ending and biased
-            # ones); the whole vocabulary only when none of those is allowed. Greedy picks the
-            # same token either way; sampling loses the tail beyond the shortlist.
-            token = self._apply([self._grammar, self._chain], logits, self._shortlist(logits))
-            if not self._allows(token):
-                token = self._apply([self._grammar, self._chain], logits)
-            if not self._allows(token):
+            # Fast path in C; the chain's accept of a token changes nothing.
+            return int(ll.llama_sampler_sample(self._chain, ctx, index))
+        if self._constraint is None:
+            return int(ll.llama_sampler_sample(self._chain, ctx, index))
+        return self._apply([self._chain], logits)
+
+    def _sample_constrained(
+        self,
+        constraint: Constraint,
+        ctx: Any,
+        index: int,
+        logits: np.ndarray,
+        allowed: np.ndarray | None,
+    ) -> int:
+        token = -1
+        if allowed is None:
+            token = self._pick(ctx, index, logits)
+            if not constraint.allows(token):
+                allowed = constraint.allowed(self._n_vocab)
+        if allowed is not None:
+            # Greedy picks what it would have picked had every position been masked; sampling
+            # draws from the allowed tokens as the chain would (temperature, top-k/p after
+            # the mask).
+            ids = np.flatnonzero(allowed & np.isfinite(logits))
+            if not ids.size:
                 return self._end_token  # the grammar admits nothing more
-        ll.llama_sampler_accept(self._grammar, token)
+            if self._plain_greedy:
+                token = int(ids[np.argmax(logits[ids])])
+            else:
+                token = self._apply([self._chain], logits, ids)
+            if not allowed[token]:
+                return self._end_token
+        constraint.accept(token)
         if not self._stateless_chain:
             ll.llama_sampler_accept(self._chain, token)
-        return int(token)
+        return token
 
-    def _shortlist(self, logits: np.ndarray) -> np.ndarray:
-        k = min(_SHORTLIST, self._n_vocab)
-        top = np.argpartition(logits, -k)[-k:]
-        return np.union1d(top, self._always_listed)
+    def take_mask_seconds(self) -> list[float]:
+        """The seconds of each mask computed since the last call (for the metrics)."""
+        if self._constraint is None or not self._constraint.mask_seconds:
+            return []
+        taken, self._constraint.mask_seconds = self._constraint.mask_seconds, []
+        return taken
 
     def _apply(self, samplers: list[Any], logits: np.ndarray, ids: np.ndarray | None = None) -> int:
         """Runs samplers over the candidates (every token, or `ids`) without accepting."""
@@ -203,18 +220,11 @@ class Sampler:
             return self._end_token
         return int(arr.data[arr.selected].id)
 
-    def _allows(self, token: int) -> bool:
-        one = ll.llama_token_data(token, 0.0, 0.0)
-        arr = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
-        ll.llama_sampler_apply(self._grammar, ctypes.byref(arr))
-        return bool(np.isfinite(one.logit))
-
     def close(self) -> None:
-        for name in ("_chain", "_grammar"):
-            handle = getattr(self, name)
-            if handle is not None:
-                ll.llama_sampler_free(handle)  # a chain frees every sampler added to it
-                setattr(self, name, None)
+        if self._chain is not None:
+            ll.llama_sampler_free(self._chain)  # a chain frees every sampler added to it
+            self._chain = None
+        self._constraint = None
 
 
 class _Distribution:

@@ -5,101 +5,34 @@ grammars in worker threads while the engine thread decodes (llama.cpp's tokenize
 parser only read the vocabulary). The runner that loaded the model owns it and frees it after
 this object.
 
-Grammars are parsed once: `check_grammar` keeps the parsed grammar (least recently used
-first out, bounded by count and by an estimate of their bytes), and each request's sampler is
-a copy of it (`llama_sampler_clone`, no parsing), taken on the engine thread. The lock guards
-only the cache.
-
-What one grammar may cost is bounded here, whoever asks: the converter stops (ValueError) once
-its rules pass MAX_GRAMMAR_BYTES or it has run MAX_BUILD_SECONDS, and no text over
-MAX_GRAMMAR_BYTES reaches llama.cpp's parser. The API checks schemas first
-(api/schema_limits.py), so these are the backstop for what those checks cannot foresee.
+Grammars are llguidance's (`engine/constraint.py`): its tokenizer is built from this
+vocabulary once, the first time a grammar is checked (~1 s on a 150k vocabulary, in the
+preparation thread), and `Constraints` keeps each compiled grammar, which each request's
+sampler copies on the engine thread.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
-import re
 import threading
-import time
 from typing import Any
 
 import llama_cpp as ll
-from llama_cpp.llama_grammar import SchemaConverter
+from llguidance.llamacpp import lltokenizer_from_vocab
 
-from ferrum.engine.lru import SizedLRU
+from ferrum.engine.constraint import Constraint, Constraints
 from ferrum.errors import ModelLoadError
-
-# GBNF text one grammar may have. The schema checks keep a real schema's grammar well under
-# it (60 strings of maxLength 256: 126 KB; 2,000 properties: 128 KB); llama.cpp parses 880 KB
-# in ~17 ms and 126 KB of nested repetitions in ~35 ms (measured, SmolLM2's vocabulary).
-MAX_GRAMMAR_BYTES = 1024 * 1024
-# Python time one conversion may take (the GIL is held: every other request waits). A
-# 60-property object converts in 1-9 ms, the costliest schemas the checks admit (128 optional
-# properties, 2,000 subschemas) in ~40 ms on a loaded 2-core machine: a wide margin.
-MAX_BUILD_SECONDS = 0.5
-# Parentheses nested in one grammar: llama.cpp's parser recurses per level and crashed the
-# process (a segfault, an 8 MB thread stack) between 10,000 and 20,000 levels; the converter
-# nests at most MAX_REPEAT (1,000) for a schema the API admits.
-MAX_GRAMMAR_NESTING = 2_000
-# Parsed grammars kept: by count, and by an estimate of their memory. llama.cpp keeps a
-# grammar as 8-byte elements, one per literal character or rule reference: 8 bytes per
-# character bounds it (measured 1-8 by RSS). 64 MiB holds eight of the largest grammars, or
-# the 64 entries at ~100 KB of text each.
-_GRAMMARS_KEPT = 64
-_PARSED_BYTES_PER_CHAR = 8
-_PARSED_KEPT_BYTES = 64 * 1024 * 1024
-# What nests in GBNF text: parentheses, outside "literals" and [classes].
-_NESTING_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]')
-
-
-class _TooCostly(ValueError):
-    """The conversion passed a bound; its message names which."""
-
-
-class _BoundedConverter(SchemaConverter):
-    """llama-cpp-python's converter, stopped at the first rule past MAX_GRAMMAR_BYTES or
-    MAX_BUILD_SECONDS: every rule it writes passes through `_add_rule`, so a runaway
-    conversion ends at its next rule, not when it is done. One rule is written whole first:
-    its size is the schema checks' to bound (a count of n is n copies in one rule)."""
-
-    def __init__(self) -> None:
-        # llama-cpp-python's converter has no type annotations, hence the ignores.
-        super().__init__(  # type: ignore[no-untyped-call]
-            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
-        )
-        self._deadline = time.monotonic() + MAX_BUILD_SECONDS
-        self._sizes: dict[str, int] = {}
-        self._bytes = 0
-
-    def _add_rule(self, name: str, rule: str) -> str:
-        key: str = super()._add_rule(name, rule)  # type: ignore[no-untyped-call]
-        size = len(key) + len(rule) + 5  # as format_grammar writes it: "key ::= rule\n"
-        self._bytes += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-        if self._bytes > MAX_GRAMMAR_BYTES:
-            raise _TooCostly(
-                f"the grammar would be over {MAX_GRAMMAR_BYTES} bytes, the most allowed"
-            )
-        if time.monotonic() > self._deadline:
-            raise _TooCostly(
-                f"converting the JSON schema took over {MAX_BUILD_SECONDS} s, the most allowed"
-            )
-        return key
 
 
 class LlamaVocab:
-    def __init__(self, model: Any, kept_grammar_bytes: int = _PARSED_KEPT_BYTES):
+    def __init__(self, model: Any):
         self._vocab = ll.llama_model_get_vocab(model)
         self.n_vocab: int = ll.llama_vocab_n_tokens(self._vocab)
         self._piece_cache: dict[int, bytes] = {}
         self._eog_cache: dict[int, bool] = {}
         self._end_tokens: list[int] | None = None
         self._max_token_bytes = 0  # 0: not yet measured
-        self._grammars: SizedLRU[str, Any] = SizedLRU(
-            _GRAMMARS_KEPT, kept_grammar_bytes, on_evict=ll.llama_sampler_free
-        )
+        self._constraints: Constraints | None = None
         self._lock = threading.Lock()
 
     # -- text -------------------------------------------------------------------------------
@@ -180,83 +113,28 @@ class LlamaVocab:
 
     # -- grammars ---------------------------------------------------------------------------
 
-    @staticmethod
-    def json_schema_grammar(schema: dict[str, Any]) -> str:
-        """JSON Schema → GBNF, with llama-cpp-python's converter (ValueError when it cannot,
-        or when the grammar would cost more than the bounds above)."""
-        converter = _BoundedConverter()
-        try:
-            # A copy: resolving $refs rewrites them in place.
-            resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "stdin")
-            converter.visit(resolved, "")  # type: ignore[no-untyped-call]
-            return str(converter.format_grammar())  # type: ignore[no-untyped-call]
-        except _TooCostly:
-            raise
-        except (ValueError, KeyError, TypeError, RecursionError, AssertionError) as exc:
-            # The converter asserts what it cannot convert (e.g. a pattern without ^...$).
-            raise ValueError(f"the JSON schema cannot be converted to a grammar: {exc}") from exc
+    def constraints(self) -> Constraints:
+        """The model's compiled grammars, on llguidance's tokenizer for this vocabulary (built
+        on first use: one pass over every token)."""
+        with self._lock:
+            if self._constraints is None:
+                end = self.end_tokens()
+                tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=end or None)
+                self._constraints = Constraints(tokenizer, end)
+            return self._constraints
 
     def check_grammar(self, grammar: str) -> None:
-        """ValueError when llama.cpp cannot parse the GBNF text, or when it is over
-        MAX_GRAMMAR_BYTES or MAX_GRAMMAR_NESTING (checked before parsing); else it is kept
-        parsed."""
-        with self._lock:
-            if self._grammars.get(grammar) is not None:
-                return
-        if len(grammar) > MAX_GRAMMAR_BYTES:
-            raise ValueError(
-                f"the grammar is {len(grammar)} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"
-            )
-        if _nesting(grammar) > MAX_GRAMMAR_NESTING:
-            raise ValueError(
-                f"the grammar nests parentheses more than {MAX_GRAMMAR_NESTING} deep, the most "
-                "allowed"
-            )
-        parsed = self._parse(grammar)  # outside the lock: parsing a large grammar takes time
-        with self._lock:
-            if grammar in self._grammars:
-                ll.llama_sampler_free(parsed)
-                return
-            self._grammars.put(grammar, parsed, _PARSED_BYTES_PER_CHAR * len(grammar))
+        """ValueError naming why llguidance cannot compile the grammar text; else kept."""
+        self.constraints().check(grammar)
 
-    @property
-    def kept_grammar_bytes(self) -> int:
-        """The estimated memory of the parsed grammars kept."""
-        with self._lock:
-            return self._grammars.total_bytes
-
-    def grammar_sampler(self, grammar: str) -> Any:
-        """A fresh grammar sampler (at the grammar's start) that the caller owns and frees."""
-        self.check_grammar(grammar)
-        with self._lock:
-            parsed = self._grammars.get(grammar)
-            if parsed is not None:
-                return ll.llama_sampler_clone(parsed)
-        return self._parse(grammar)  # pushed out by other grammars in between
-
-    def _parse(self, grammar: str) -> Any:
-        sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode("utf-8"), b"root")
-        if not sampler:
-            raise ValueError("llama.cpp could not parse the grammar")
-        return sampler
+    def constraint(self, grammar: str) -> Constraint:
+        """A matcher at the grammar's start for one request's sampler."""
+        return self.constraints().constraint(grammar)
 
     def close(self) -> None:
         with self._lock:
-            self._grammars.clear()
-
-
-def _nesting(grammar: str) -> int:
-    """How deep the grammar nests parentheses (one scan; none when it has too few)."""
-    if grammar.count("(") <= MAX_GRAMMAR_NESTING:
-        return 0
-    depth = deepest = 0
-    for token in _NESTING_TOKENS.findall(grammar):
-        if token == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token == ")":
-            depth -= 1
-    return deepest
+            if self._constraints is not None:
+                self._constraints.clear()
 
 
 class VocabularyFile:

@@ -1,0 +1,221 @@
+"""Structured output with llguidance: grammars from request fields, compiled once, one matcher
+per constrained sequence.
+
+    source (JSON Schema, regex, choice, Lark or GBNF) ──to_grammar──▶ llguidance grammar text
+    grammar text ──Constraints.check (preparation thread)──▶ compiled matcher, kept by text
+    kept matcher ──Constraints.matcher (engine thread, a deep copy)──▶ Constraint, one a sequence
+
+No llama.cpp here: a model's vocabulary builds the llguidance tokenizer (`engine/llama/vocab.py`
+from llama.cpp's vocabulary, the tests' fake from bytes) and hands it to `Constraints`.
+
+Compiling is the costly part (a large schema takes tens to hundreds of milliseconds, with the
+GIL released), so it happens once per distinct grammar, in the preparation thread: the API
+checks a grammar before the request is queued, and the engine thread only copies the kept
+matcher. Each compile runs under `LIMITS` (grammar size, lexer states and fuel, Earley items per
+step): a grammar past them is a ValueError naming what failed, never a stall. A mask that
+would pass the per-step limits puts the matcher in its error state; the sampler then ends the
+output (see `Constraint.allowed`).
+
+Rules for a sampler using a Constraint: a token reaches `accept` only after `allows` said yes;
+an end-of-generation token is allowed only when the grammar is complete (`is_accepting`) and
+is never consumed (the output ends there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from ferrum.engine.lru import SizedLRU
+
+# llguidance's own bounds, tightened where its defaults allow more than one request should
+# cost: 250,000 lexer states is up to ~500 MB; 50,000 is ~100 MB at worst and far above what
+# real schemas build (hundreds). The rest are its defaults, stated so they cannot drift.
+LIMITS = dict(
+    max_items_in_row=2_000,
+    initial_lexer_fuel=1_000_000,  # ~20 ms of regex analysis
+    step_lexer_fuel=200_000,  # ~15 ms a mask, at most
+    step_max_items=50_000,
+    max_lexer_states=50_000,
+    max_grammar_size=500_000,
+    verbose_errors=False,  # an error names the problem, not the parser's whole state
+)
+# Source text one grammar may have (regex, choice list, Lark, GBNF); JSON schemas are bounded
+# by the API's schema_limits. Compile time grows with it.
+MAX_SOURCE_BYTES = 128 * 1024
+# How much of llguidance's message a client sees.
+_MESSAGE_CHARS = 400
+# Compiled matchers kept: by count and by an estimate of their memory (a compiled grammar
+# holds its lexer and rules: a few hundred bytes a source character, measured coarsely).
+_KEPT = 128
+_BYTES_PER_CHAR = 256
+_KEPT_BYTES = 256 * 1024 * 1024
+# Whitespace between JSON tokens, bounded (llguidance's default allows any run) so that a model
+# cannot run away in it: a space, or a newline and an indent.
+_JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_MAX_FORMATS_DROPPED = 32
+
+KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+def _limits() -> Any:
+    return llguidance.LLParserLimits(**LIMITS)  # type: ignore[arg-type]
+
+
+def _short(message: str) -> str:
+    message = message.strip()
+    return message if len(message) <= _MESSAGE_CHARS else message[:_MESSAGE_CHARS] + "…"
+
+
+def to_grammar(kind: str, source: Any) -> str:
+    """llguidance grammar text for a request's constraint; ValueError naming what is wrong
+    (not yet compiled: `Constraints.check` does that against the model's tokenizer)."""
+    if kind == "json_schema":
+        return json_schema_grammar(source)
+    text = source if isinstance(source, str) else json.dumps(source)
+    if len(text) > MAX_SOURCE_BYTES:
+        raise ValueError(f"is {len(text)} bytes; at most {MAX_SOURCE_BYTES} are allowed")
+    if kind == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(text))
+    if kind == "choice":
+        if (
+            not isinstance(source, list)
+            or not source
+            or not all(isinstance(c, str) for c in source)
+        ):
+            raise ValueError("must be a non-empty list of strings")
+        lark = "start: " + " | ".join(json.dumps(c) for c in source)
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    if kind == "grammar":  # Lark as it is, GBNF (llama.cpp's) converted to Lark
+        try:
+            return str(llguidance.grammar_from("gbnf", text))
+        except ValueError as exc:
+            raise ValueError(_short(str(exc))) from exc
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of a JSON schema. A `format` llguidance does not know is an annotation (JSON
+    Schema 2020-12 does not require a validator to enforce formats) and is left out; any other
+    keyword it cannot honour stays and fails the compile, naming it."""
+    for _ in range(_MAX_FORMATS_DROPPED):
+        grammar = str(
+            llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        )
+        found = _UNKNOWN_FORMAT.search(llguidance.LLMatcher.validate_grammar(grammar))
+        if found is None:
+            return grammar
+        schema = _without_format(schema, found.group(1))
+    return grammar
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark rule body that embeds a JSON schema (llguidance's `%json`), formats handled as
+    in `json_schema_grammar`."""
+    grammar = json.loads(json_schema_grammar(schema))
+    embedded = grammar["grammars"][0].get("json_schema", schema)
+    return "%json " + json.dumps(embedded)
+
+
+def _without_format(node: Any, name: str) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _without_format(v, name)
+            for k, v in node.items()
+            if not (k == "format" and v == name)
+        }
+    if isinstance(node, list):
+        return [_without_format(v, name) for v in node]
+    return node
+
+
+class Constraints:
+    """One model's compiled grammars: checked once, kept by text, copied per sequence;
+    thread-safe (the lock guards only the cache; compiling runs outside it)."""
+
+    def __init__(self, tokenizer: Any, end_tokens: Sequence[int], kept_bytes: int = _KEPT_BYTES):
+        self.tokenizer = tokenizer
+        self.n_vocab: int = tokenizer.vocab_size
+        self.end_tokens = np.array(sorted(set(end_tokens)), dtype=np.int64)
+        self._kept: SizedLRU[str, Any] = SizedLRU(_KEPT, kept_bytes)
+        self._lock = threading.Lock()
+        self.compile_s = 0.0  # seconds spent compiling, for the tests and metrics
+
+    def check(self, grammar: str) -> None:
+        """ValueError naming why the grammar cannot be used; else it is kept compiled."""
+        with self._lock:
+            if self._kept.get(grammar) is not None:
+                return
+        start = time.monotonic()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
+        self.compile_s += time.monotonic() - start
+        if matcher.is_error():
+            raise ValueError(_short(matcher.get_error()))
+        with self._lock:
+            self._kept.put(grammar, matcher, _BYTES_PER_CHAR * len(grammar))
+
+    def constraint(self, grammar: str) -> Constraint:
+        """A fresh matcher at the grammar's start for one sequence (compiled first if it was
+        not kept)."""
+        self.check(grammar)
+        with self._lock:
+            kept = self._kept.get(grammar)
+        if kept is None:  # pushed out by other grammars in between
+            kept = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
+        return Constraint(kept.deep_copy(), self)
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return self._kept.total_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+
+class Constraint:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: Any, constraints: Constraints):
+        self._matcher = matcher
+        self._end = constraints.end_tokens
+        self._end_set = frozenset(int(t) for t in self._end)
+        self._n_vocab = constraints.n_vocab
+        self._bitmask = llnp.allocate_token_bitmask(1, self._n_vocab)
+        self.mask_seconds: list[float] = []  # each mask's time, until the runner takes them
+
+    def allows(self, token: int) -> bool:
+        if token in self._end_set:
+            return bool(self._matcher.is_accepting())
+        return bool(self._matcher.validate_tokens([token]) == 1)
+
+    def accept(self, token: int) -> None:
+        """Advances past a token `allows` admitted (an end token is not consumed)."""
+        if token not in self._end_set:
+            self._matcher.consume_token(token)
+
+    def allowed(self, n_vocab: int) -> np.ndarray:
+        """Which of the first n_vocab tokens may come next (booleans); none when the matcher
+        failed (a step limit passed), so the sampler ends the output."""
+        start = time.perf_counter()
+        llnp.fill_next_token_bitmask(self._matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        allowed = np.zeros(n_vocab, dtype=bool)
+        m = min(n_vocab, self._n_vocab)
+        allowed[:m] = bits[:m].astype(bool)
+        ends = self._end[self._end < n_vocab]
+        allowed[ends] = bool(self._matcher.is_accepting())
+        if self._matcher.is_error():
+            allowed[:] = False
+        self.mask_seconds.append(time.perf_counter() - start)
+        return allowed
