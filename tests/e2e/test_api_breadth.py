@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import running_server
+from tests.schemas import checked
 
 CAT = [{"role": "user", "content": "Describe a cat as a JSON object with keys name and age."}]
 PERSON_SCHEMA = {
@@ -63,8 +64,12 @@ def server(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+def client(server) -> Iterator[openai.OpenAI]:
+    """A client whose transport validates every answer it reads against the published
+    schemas (tests/schemas), whole, streamed and errors."""
+    seen = checked.Checked()
+    yield checked.client(f"{server}/v1", seen)
+    assert seen.answers > 0
 
 
 def _chat(client, **kw):
@@ -241,7 +246,7 @@ def test_tool_results_and_reasoning_round_trip(client):
 
 def test_structured_requests_batch_with_free_ones(server):
     """8 concurrent mixed requests: every constrained output still meets its constraint."""
-    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    aclient = checked.async_client(f"{server}/v1")
 
     async def one(i: int):
         kind = ("schema", "free", "tool", "schema")[i % 4]

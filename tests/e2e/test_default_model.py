@@ -6,17 +6,25 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from tests import schemas
+from tests.schemas import checked
+
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+def client(server) -> Iterator[openai.OpenAI]:
+    """A client whose transport validates every answer it reads against the published
+    schemas (tests/schemas), whole, streamed and errors."""
+    seen = checked.Checked()
+    yield checked.client(f"{server}/v1", seen)
+    assert seen.answers > 0
 
 
 def _chat_messages(question: str) -> list[dict]:
@@ -126,7 +134,7 @@ def test_eight_concurrent_streams_all_finish(server, client):
             "extra_body": {"ignore_eos": True},
         }
 
-    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    aclient = checked.async_client(f"{server}/v1")
 
     async def one(p):
         text = ""
@@ -168,6 +176,7 @@ def test_errors_are_openai_shaped(client, server):
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    schemas.validate_error(r.json())
     assert httpx.get(f"{server}/v1/unknown").status_code == 404
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
 from tests.e2e.conftest import running_server
+from tests.schemas import checked
 from tests.unit.test_responses_api import TOOL as WEATHER
 
 MODEL = "smollm2-135m-instruct"
@@ -24,8 +26,12 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+def client(server) -> Iterator[openai.OpenAI]:
+    """A client whose transport validates every answer it reads against the published
+    schemas (tests/schemas), whole, streamed and errors."""
+    seen = checked.Checked()
+    yield checked.client(f"{server}/v1", seen)
+    assert seen.answers > 0
 
 
 def test_create_stream_and_retrieve_agree(client):
@@ -99,7 +105,7 @@ def test_an_agent_calls_its_tool_and_answers(server):
         calls.append(city)
         return f"It is sunny and 21 C in {city}."
 
-    oai = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    oai = checked.async_client(f"{server}/v1")
     agent = Agent(
         name="weather",
         instructions="You answer weather questions with the get_weather tool.",

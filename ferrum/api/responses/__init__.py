@@ -24,6 +24,7 @@ from fastapi.responses import Response
 
 from ferrum.api.auth import caller_of
 from ferrum.api.generation import serve
+from ferrum.api.openai.bodies import ChatCompletionRequest
 from ferrum.api.responses.answers import ResponsesAnswer, new_id
 from ferrum.api.responses.bodies import (
     Reasoning,
@@ -33,7 +34,7 @@ from ferrum.api.responses.bodies import (
     renamed,
 )
 from ferrum.api.responses.store import ResponseStore
-from ferrum.api.serving import ServerState, acquire_chat, prepare_chat
+from ferrum.api.serving import ServerState, acquire_chat, prepare_chat, with_defaults
 from ferrum.errors import InvalidRequest, NotFound
 
 __all__ = ["add_responses_routes"]
@@ -42,33 +43,54 @@ Handler = Callable[..., Awaitable[Any]]
 Route = Callable[[str, str], Callable[[Handler], Handler]]
 
 
-def _shell(body: ResponsesRequest, model: str, store: bool) -> dict[str, Any]:
-    """The response object without its outcome: ids and the request's settings echoed."""
-    text_format = body.format_dict() or {"type": "text"}
-    return {
+def _tools(chat: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The tools as ferrum read them, in the Responses function-tool shape (every field the
+    published schema requires, null where the client gave none)."""
+    return [
+        {"type": "function", "name": t.function.name, "description": t.function.description,
+         "parameters": t.function.parameters, "strict": t.function.strict}
+        for t in chat.tools or ()
+    ]  # fmt: skip
+
+
+def _shell(body: ResponsesRequest, used: ChatCompletionRequest, model: str, store: bool
+           ) -> dict[str, Any]:  # fmt: skip
+    """The response object without its outcome: ids and the request's settings echoed, the
+    sampling ones as used (`used`: the chat body after the model preset's defaults)."""
+    shell = {
         "id": new_id("resp"),
         "object": "response",
         "created_at": int(time.time()),
+        "completed_at": None,
         "model": model,
         "background": False,
         "error": None,
         "incomplete_details": None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": None,  # no limit: the client runs the calls
         "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "reasoning": (body.reasoning or Reasoning()).model_dump(include={"effort", "summary"}),
+        "service_tier": "default",
         "store": store,
-        "temperature": body.temperature,
-        "text": {"format": text_format},
+        "temperature": used.temperature,
+        "top_p": used.top_p,
+        "presence_penalty": used.presence_penalty,
+        "frequency_penalty": used.frequency_penalty,
+        "top_logprobs": 0,  # output_text logprobs are not offered
+        "text": {"format": body.format_dict() or {"type": "text"}},
         "tool_choice": body.tool_choice or "auto",
-        "tools": body.tools or [],
-        "top_p": body.top_p,
+        "tools": _tools(used),
         "truncation": body.truncation or "disabled",
         "usage": None,
-        "user": body.user,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
     }
+    if body.user is not None:  # a string when present, in OpenAI's schema
+        shell["user"] = body.user
+    return shell
 
 
 def add_responses_routes(route: Route, state: ServerState) -> None:
@@ -83,7 +105,8 @@ def add_responses_routes(route: Route, state: ServerState) -> None:
         turn = input_messages(body, history)
         chat = chat_request(body, history + turn)
         lease = await acquire_chat(state, request, body.model, body.keep_alive)
-        answer = ResponsesAnswer(_shell(body, lease.name, body.store and store.enabled),
+        chat = with_defaults(lease.model, chat)
+        answer = ResponsesAnswer(_shell(body, chat, lease.name, body.store and store.enabled),
                                  body.stream, store, turn, owner)  # fmt: skip
         try:
             return await serve(state, request, lease, chat, prepare_chat, answer)

@@ -172,11 +172,26 @@ class _Items:
 def _usage(out: RequestOutput, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": out.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": out.cached_tokens},
+        # Every token prefilled stays in the prefix cache (parked with the sequence): what
+        # was not read from it was written to it.
+        "input_tokens_details": {
+            "cached_tokens": out.cached_tokens,
+            "cache_write_tokens": out.prompt_tokens - out.cached_tokens,
+        },
         "output_tokens": out.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, out.completion_tokens)},
         "total_tokens": out.prompt_tokens + out.completion_tokens,
     }
+
+
+def _failure_code(err: FerrumError) -> str:
+    """The published schemas' code for a response that failed once its stream had begun:
+    a closed list, where a deadline or an engine failure is a server error."""
+    if err.status == 429:
+        return "rate_limit_exceeded"
+    if err.status == 400:
+        return "invalid_prompt"
+    return "server_error"
 
 
 @dataclass
@@ -225,8 +240,8 @@ class ResponsesAnswer:
         return response
 
     def _failed(self, err: FerrumError) -> str:
-        code = "server_error" if err.status >= 500 else (err.code or err.type)
-        failed = self._response("failed", error={"code": code, "message": err.message})
+        failed = self._response("failed", error={"code": _failure_code(err),
+                                                 "message": err.message})  # fmt: skip
         return self._event("response.failed", {"response": failed})
 
     async def lines(self, events: AsyncIterator[Event]) -> AsyncIterator[str]:

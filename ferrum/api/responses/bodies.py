@@ -86,6 +86,10 @@ class ResponsesRequest(_Body):
     background: bool = False
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
+    # Echoed only: ferrum keeps no per-user safety record, and its prefix cache finds a
+    # prompt's cached start by the tokens alone.
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    prompt_cache_key: str | None = None
     # Extensions shared with chat completions: seconds for this request, and how long the
     # model stays loaded after it.
     timeout: Annotated[float, Field(gt=0)] | None = None
@@ -102,10 +106,16 @@ class ResponsesRequest(_Body):
             raise InvalidRequest("input is required", param="input")
 
     def format_dict(self) -> dict[str, Any] | None:
-        """`text.format` as the request gave it, for echoing in the response."""
+        """`text.format` as the request gave it, in the published shape, for echoing in the
+        response."""
         if self.text is None or self.text.format is None:
             return None
-        return self.text.format.model_dump(by_alias=True, exclude_none=True)
+        fmt = self.text.format.model_dump(by_alias=True, exclude_none=True)
+        if fmt["type"] == "json_schema":
+            # The grammar always holds the output to the schema: strict, whatever was asked.
+            # Open Responses requires a description, OpenAI's schema a string if present.
+            fmt.update(description=self.text.format.description or "", strict=True)
+        return fmt
 
 
 def parse_body(raw: bytes) -> ResponsesRequest:
