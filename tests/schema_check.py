@@ -1,45 +1,23 @@
 """Answers checked against the published API schemas kept in `tests/schemas/` (their source
 and version in its README): `conforms("anthropic-messages", "Message", body)` raises
-`jsonschema.ValidationError` naming the first field that does not match.
+`SchemaViolation` naming the first field that does not match.
 
-The documents are OpenAPI files (or their trimmed components, as JSON); a component is
-validated with the whole document as its root, so `#/components/schemas/...` references
-resolve inside it. The tests fetch nothing: a schema update is one file."""
+Anthropic's and Ollama's answers by event type and by route, over the one validator of
+`tests.schemas` (which OpenAI's and Open Responses' checks use too). The tests fetch nothing:
+a schema update is one file."""
 
 from __future__ import annotations
 
 import json
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-import jsonschema
-
-SCHEMAS = Path(__file__).parent / "schemas"
-
-
-@cache
-def _document(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((SCHEMAS / f"{name}.json").read_text())
-    return doc
-
-
-@cache
-def _validator(name: str, component: str) -> jsonschema.Draft202012Validator:
-    doc = _document(name)
-    if component not in doc["components"]["schemas"]:
-        raise KeyError(f"{name}.json has no component {component!r}")
-    # The document is the root, so its own references resolve; the $ref picks the component.
-    schema = {**doc, "$ref": f"#/components/schemas/{component}"}
-    return jsonschema.Draft202012Validator(schema)
+from tests.schemas import SchemaViolation, validate
 
 
 def conforms(name: str, component: str, instance: Any) -> None:
-    """Raises jsonschema.ValidationError unless `instance` is a valid `component` of the
-    schema document `tests/schemas/{name}.json`."""
-    error = jsonschema.exceptions.best_match(_validator(name, component).iter_errors(instance))
-    if error is not None:
-        raise error
+    """Raises SchemaViolation unless `instance` is a valid `component` of the schema
+    document `tests/schemas/{name}.json` (`tests.schemas.validate`, one validator for all)."""
+    validate(f"{name}:{component}", instance)
 
 
 _ANTHROPIC_EVENTS = {
@@ -59,7 +37,7 @@ def anthropic_event(event: dict[str, Any]) -> None:
     failure names the field rather than "none of the union's members")."""
     component = _ANTHROPIC_EVENTS.get(str(event.get("type")))
     if component is None:
-        raise jsonschema.ValidationError(f"not an event type of the schema: {event!r}")
+        raise SchemaViolation(f"not an event type of the schema: {event!r}")
     conforms("anthropic-messages", component, event)
 
 
