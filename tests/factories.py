@@ -267,8 +267,10 @@ def llama_engine(
     parallel: int = 4,
     batch: int = 64,
     speculation=None,
+    lora: Sequence[str] = (),
 ) -> Iterator[LLMEngine]:
-    """An engine on a real (tiny) GGUF with llama.cpp, closed afterwards."""
+    """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
+    order), closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
 
@@ -279,7 +281,7 @@ def llama_engine(
         threads=2,
         no_prefix_cache=not prefix_cache,
     )
-    runner = LlamaRunner(cfg, path)
+    runner = LlamaRunner(cfg, path, lora)
     try:
         yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache,
                         speculation=speculation)  # fmt: skip

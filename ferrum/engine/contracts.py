@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ferrum.engine.request import SamplingParams
+from ferrum.engine.request import AdapterSet, SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,13 +28,17 @@ class BatchItem:
 
     With a draft, the last `draft` tokens are guesses (`speculation/`): the sampler picks
     at the last real token and at each guess in order while its pick equals the next guess;
-    the positions of guesses it did not take are removed from the sequence."""
+    the positions of guesses it did not take are removed from the sequence.
+
+    Every item of one step has the same `adapters` (LoRA set): llama.cpp applies one set to
+    a whole decode."""
 
     seq_id: int
     tokens: Sequence[int]
     start_pos: int
     sample_for: str | None = None
     draft: int = 0
+    adapters: AdapterSet = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class StepResult:
     decode_calls: int = 0
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
     decode_s: float = 0.0  # seconds inside llama_decode (0: not measured, as by test fakes)
+    adapter_switches: int = 0  # decodes that changed the context's LoRA set
 
 
 @dataclass(frozen=True)
