@@ -258,9 +258,7 @@ def _save(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
 _LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF = 4, 2, 128
 
 
-def write_tiny_llama(
-    path: pathlib.Path, merge: tuple[int, float] | None = None
-) -> pathlib.Path:
+def write_tiny_llama(path: pathlib.Path, merge: tuple[int, float] | None = None) -> pathlib.Path:
     """Write a 2-layer llama (4 heads, 2 KV heads) with a ChatML template; `merge`: (seed,
     scale) of a `write_tiny_lora` adapter whose scaled B·A is added to the weights."""
     n_head, n_head_kv, n_ff = _LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from ferrum.engine.kv.ledger import PageTable
 
-
 # LoRA adapters a request decodes with: (adapter id, scale) pairs sorted by id, no zero
 # scale; () is the base model. KV computed under one set is wrong under another.
 AdapterSet = tuple[tuple[int, float], ...]

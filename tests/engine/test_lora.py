@@ -75,19 +75,21 @@ def test_mixed_sets_in_one_engine_equal_each_alone(files):
         assert mixed[rid]["final"].cached_tokens > 0, (rid, s)
 
 
+def _open(path: str, lora: tuple[str, ...]) -> None:
+    with llama_engine(path, lora=lora):
+        pass
+
+
 def test_an_adapter_of_another_base_is_refused(files):
     with pytest.raises(ModelLoadError, match="LoRA adapter"):
-        with llama_engine(files["gemma"], lora=(files["lora1"],)):
-            pass
+        _open(files["gemma"], (files["lora1"],))
 
 
 def test_a_model_file_is_not_an_adapter(files):
     with pytest.raises(ModelLoadError, match="LoRA adapter"):
-        with llama_engine(files["base"], lora=(files["merged1"],)):
-            pass
+        _open(files["base"], (files["merged1"],))
 
 
 def test_missing_adapter_file(files, tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
-        with llama_engine(files["base"], lora=(str(tmp_path / "nope.gguf"),)):
-            pass
+        _open(files["base"], (str(tmp_path / "nope.gguf"),))
