@@ -106,6 +106,7 @@ class FakeRunner:
     samplers: dict[str, FakeSampler] = field(default_factory=dict)  # live, by request id
     closed_samplers: list[FakeSampler] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    adapter_sets: list[tuple] = field(default_factory=list)  # each decode's LoRA set
     cleared: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
@@ -166,6 +167,10 @@ class FakeRunner:
         if len({i.seq_id for i in items}) != len(items):
             raise AssertionError("a sequence appears twice in one batch")
         self.batch_sizes.append(n)
+        sets = {i.adapters for i in items}
+        if len(sets) > 1:
+            raise AssertionError(f"one decode mixes adapter sets {sets}")
+        self.adapter_sets.extend(sets)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         result = StepResult(decode_calls=1)
@@ -363,6 +368,7 @@ def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **
             max_queue,
             sampling=dict(spec.preset.sampling),
             system=spec.preset.system,
+            adapters=spec.adapters,
         )
         served.engine.start()
         return served
