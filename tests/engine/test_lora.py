@@ -93,3 +93,30 @@ def test_a_model_file_is_not_an_adapter(files):
 def test_missing_adapter_file(files, tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
         _open(files["base"], (str(tmp_path / "nope.gguf"),))
+
+
+def test_served_with_lora_flags_the_adapter_equals_its_merge(files, tmp_path):
+    """The whole path: `--lora` on a real server build, a request naming `BASE:NAME` (and
+    one with llama-server's `lora` field) answers as the merged model does."""
+    from fastapi.testclient import TestClient
+
+    from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+    from ferrum.server import build_server
+
+    def completion(model_file: str, lora: tuple[str, ...], body: dict) -> str:
+        engine_cfg = EngineConfig(ctx_size=512, parallel=2, batch_size=64, threads=2,
+                                  cache_ram=0, cache_disk=0)  # fmt: skip
+        models = ModelsConfig(model=(f"tiny={model_file}",), models_dir=str(tmp_path), lora=lora)
+        app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
+        request = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **body}
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json=request)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+    flags = (f"other={files['lora2']}", f"tiny:mine={files['lora1']}@{SCALE}")
+    merged = completion(files["merged1"], (), {"model": "tiny"})
+    assert completion(files["base"], flags, {"model": "tiny:mine"}) == merged
+    by_id = {"model": "tiny", "lora": [{"id": 1, "scale": SCALE}]}
+    assert completion(files["base"], flags, by_id) == merged
+    assert completion(files["base"], flags, {"model": "tiny"}) != merged
