@@ -100,6 +100,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_fields(serve, ModelsConfig)
     _add_fields(serve, EngineConfig)
     _add_fields(serve, ServerConfig)
+    _add_lora_scaled(serve)
     cluster = sub.add_parser(
         "cluster", help="serve with replicas on Ray Serve, routed to the replica with the prefix"
     )
@@ -108,6 +109,30 @@ def make_parser() -> argparse.ArgumentParser:
     model_commands.add_parsers(sub)
     add_bench_parser(sub)
     return parser
+
+
+class _LoraScaled(argparse.Action):
+    """llama-server's `--lora-scaled PATH SCALE`, kept in --lora's list as `PATH@SCALE` so
+    that adapter ids follow the order of both flags together."""
+
+    def __call__(self, parser: Any, ns: argparse.Namespace, values: Any, opt: Any = None) -> None:
+        path, scale = values
+        try:
+            float(scale)
+        except ValueError:
+            parser.error(f"--lora-scaled {path} {scale}: the scale is not a number")
+        items = list(getattr(ns, "lora", None) or [])
+        ns.lora = [*items, f"{path}@{scale}"]
+
+
+def _add_lora_scaled(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora-scaled",
+        nargs=2,
+        metavar=("PATH", "SCALE"),
+        action=_LoraScaled,
+        help="a LoRA adapter named after its file, at this scale (as --lora PATH@SCALE)",
+    )
 
 
 def _check_keys(args: argparse.Namespace) -> None:

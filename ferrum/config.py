@@ -328,6 +328,16 @@ class ModelsConfig:
             "default: no limit; 'auto': free GPU memory on a CUDA build, else free RAM)",
         ),
     )
+    lora: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "--lora",
+            help="a LoRA adapter GGUF served on a model, requested as model BASE:NAME or by "
+            "llama-server's lora field (ids in flag order): NAME=PATH on the one model "
+            "served, BASE:NAME=PATH on model BASE, or PATH (named after the file); "
+            "--lora-scaled PATH SCALE sets the scale a request naming it gets (default 1)",
+        ),
+    )
     models_max_bytes: str = field(
         default="0",
         metadata=_flag(

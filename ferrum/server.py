@@ -27,6 +27,7 @@ from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
+from ferrum.models.adapters import attach as attach_adapters
 from ferrum.models.catalog import serve_specs
 from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
@@ -125,7 +126,7 @@ class _Loader:
         )
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str) -> ServedModel:
-        runner = LlamaRunner(cfg, path)
+        runner = LlamaRunner(cfg, path, [a.path for a in spec.adapters])
         info = runner.info
         try:
             template = spec.preset.chat_template or self.server_cfg.chat_template
@@ -162,6 +163,7 @@ class _Loader:
             system=spec.preset.system,
             close_runner=runner.close,
             preparer=self.preparer,
+            adapters=spec.adapters,
         )
         if cfg.pooling:  # a second context on the same (memory-mapped) weights
             try:
@@ -204,6 +206,7 @@ def build_server(
         max_bytes=parse_size(models_cfg.models_max_bytes),
     )
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets), models_cfg.alias)
+    specs = attach_adapters(specs, models_cfg.lora)
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.
     threads = ThreadPoolExecutor(4, "ferrum-load")

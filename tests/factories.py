@@ -128,6 +128,7 @@ class FakeRunner:
     samplers: dict[str, FakeSampler] = field(default_factory=dict)  # live, by request id
     closed_samplers: list[FakeSampler] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    adapter_sets: list[tuple] = field(default_factory=list)  # each decode's LoRA set
     cleared: list[int] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     step_delay_s: float = 0.0  # a slow model, for deadlines and disconnects
@@ -191,6 +192,10 @@ class FakeRunner:
         if len({i.seq_id for i in items}) != len(items):
             raise AssertionError("a sequence appears twice in one batch")
         self.batch_sizes.append(n)
+        sets = {i.adapters for i in items}
+        if len(sets) > 1:
+            raise AssertionError(f"one decode mixes adapter sets {sets}")
+        self.adapter_sets.extend(sets)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         result = StepResult(decode_calls=1)
@@ -297,8 +302,10 @@ def llama_engine(
     parallel: int = 4,
     batch: int = 64,
     speculation=None,
+    lora: Sequence[str] = (),
 ) -> Iterator[LLMEngine]:
-    """An engine on a real (tiny) GGUF with llama.cpp, closed afterwards."""
+    """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
+    order), closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
 
@@ -309,7 +316,7 @@ def llama_engine(
         threads=2,
         no_prefix_cache=not prefix_cache,
     )
-    runner = LlamaRunner(cfg, path)
+    runner = LlamaRunner(cfg, path, lora)
     try:
         yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache,
                         speculation=speculation)  # fmt: skip
@@ -391,6 +398,7 @@ def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **
             max_queue,
             sampling=dict(spec.preset.sampling),
             system=spec.preset.system,
+            adapters=spec.adapters,
         )
         served.engine.start()
         return served

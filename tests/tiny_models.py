@@ -8,6 +8,9 @@ milliseconds:
 * ``write_tiny_llama`` - a dense 2-layer llama (GQA attention) with a ChatML
   chat template.
 * ``write_tiny_mamba`` - a 2-layer Mamba-1 recurrent model, no chat template.
+* ``write_tiny_lora`` - a LoRA adapter of the tiny llama (rank 4 on q, v and ffn_up), and
+  ``write_tiny_llama(path, merge=...)`` the same llama with an adapter's scaled B·A added to
+  its weights: the oracle an adapter applied at decode time must equal.
 * ``write_tiny_gemma3`` - a 2-layer Gemma 3 whose first layer has a sliding window of
   8 positions (the real one: 512 on 5 of 6 layers), so window cells are recycled within
   a few dozen tokens.
@@ -228,13 +231,18 @@ def _new_writer(path: pathlib.Path, arch: str) -> gguf.GGUFWriter:
 
 
 def _write_weights(
-    writer: gguf.GGUFWriter, layer: Callable[[np.random.Generator, int], dict[str, np.ndarray]]
+    writer: gguf.GGUFWriter,
+    layer: Callable[[np.random.Generator, int], dict[str, np.ndarray]],
+    deltas: dict[str, np.ndarray] | None = None,
 ) -> None:
-    """Seeded random weights: the shared tensors, then `layer(rng, i)` for every layer."""
+    """Seeded random weights: the shared tensors, then `layer(rng, i)` for every layer; each
+    of `deltas` is added to the weight of its name (a merged adapter)."""
     rng = np.random.default_rng(SEED)
     tensors = _common_tensors(rng)
     for i in range(N_LAYER):
         tensors |= layer(rng, i)
+    for name, delta in (deltas or {}).items():
+        tensors[name] = (tensors[name] + delta).astype(np.float32)
     _save(writer, tensors)
 
 
@@ -247,9 +255,13 @@ def _save(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
     writer.close()
 
 
-def write_tiny_llama(path: pathlib.Path) -> pathlib.Path:
-    """Write a 2-layer llama (4 heads, 2 KV heads) with a ChatML template."""
-    n_head, n_head_kv, n_ff = 4, 2, 128
+_LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF = 4, 2, 128
+
+
+def write_tiny_llama(path: pathlib.Path, merge: tuple[int, float] | None = None) -> pathlib.Path:
+    """Write a 2-layer llama (4 heads, 2 KV heads) with a ChatML template; `merge`: (seed,
+    scale) of a `write_tiny_lora` adapter whose scaled B·A is added to the weights."""
+    n_head, n_head_kv, n_ff = _LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF
     head_dim = N_EMBD // n_head
     path = pathlib.Path(path)
     writer = _new_writer(path, "llama")
@@ -260,7 +272,49 @@ def write_tiny_llama(path: pathlib.Path) -> pathlib.Path:
     writer.add_rope_freq_base(10000.0)
     _add_tokenizer(writer, CHATML_TEMPLATE)
 
-    _write_weights(writer, lambda rng, i: _llama_layer(rng, i, n_head_kv, n_ff, head_dim))
+    deltas = None
+    if merge is not None:
+        seed, scale = merge
+        factor = scale * LORA_ALPHA / LORA_RANK  # llama.cpp's scale for an adapter with alpha
+        deltas = {name: factor * (b @ a) for name, (a, b) in lora_factors(seed).items()}
+    layer = lambda rng, i: _llama_layer(rng, i, n_head_kv, n_ff, head_dim)  # noqa: E731
+    _write_weights(writer, layer, deltas)
+    return path
+
+
+LORA_RANK, LORA_ALPHA = 4, 8.0
+
+
+def lora_factors(seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The tiny llama's adapter of this seed: weight name -> (A, B) in numpy order, A of shape
+    (rank, in) and B of shape (out, rank), so that B @ A has the weight's shape. Large enough
+    that the adapter changes greedy output."""
+    rng = np.random.default_rng(seed)
+    n_kv = _LLAMA_KV_HEADS * (N_EMBD // _LLAMA_HEADS)
+    outs = {"attn_q": N_EMBD, "attn_v": n_kv, "ffn_up": _LLAMA_FF}
+    factors = {}
+    for i in range(N_LAYER):
+        for target, n_out in outs.items():
+            a = _normal(rng, LORA_RANK, N_EMBD, std=N_EMBD**-0.5)
+            b = _normal(rng, n_out, LORA_RANK, std=1.0)
+            factors[f"blk.{i}.{target}.weight"] = (a, b)
+    return factors
+
+
+def write_tiny_lora(path: pathlib.Path, seed: int = 1, arch: str = "llama") -> pathlib.Path:
+    """Write a LoRA adapter GGUF of the tiny llama, as llama.cpp's loader reads one:
+    general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per weight W the
+    tensors `W.lora_a` (ggml {in, rank}) and `W.lora_b` (ggml {rank, out})."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, LORA_ALPHA)
+    tensors = {}
+    for name, (a, b) in lora_factors(seed).items():
+        tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"] = a, b
+    _save(writer, tensors)
     return path
 
 

@@ -19,6 +19,7 @@ from ferrum.api.prompting.preparation import Preparer
 from ferrum.engine.async_engine import AsyncEngine
 from ferrum.engine.contracts import ModelInfo, Vocabulary
 from ferrum.metrics import Metrics
+from ferrum.models.adapters import LoraAdapter
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ServedModel:
     embedder: Embedder | None = None  # a chat model that embeds too (--pooling)
     # Where its requests are prepared: the server's one preparer, in turns with its engines.
     preparer: Preparer = dataclasses.field(default_factory=lambda: Preparer(None))
+    adapters: tuple[LoraAdapter, ...] = ()  # its LoRA adapters, in id order
     grammars: GrammarBuilder = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:

@@ -30,8 +30,9 @@ from ferrum.api.prompting.chat_template import ChatFormatter
 from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
-from ferrum.engine.request import SamplingParams
+from ferrum.engine.request import AdapterSet, SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
+from ferrum.models.adapters import adapter_set
 from ferrum.models.pull_workers import PullWorkers
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
@@ -249,6 +250,7 @@ def submit(
         params,
         cache_scope=cache_scope(caller, body.cache_salt, state.share_prefix_cache),
         tenant=caller.tenant or request_id,
+        adapters=request_adapters(model, body),
     )
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
@@ -257,6 +259,23 @@ def submit(
         for i, rid in enumerate(ids)
     ]
     return Submission(request_id, streams, ids, engine)
+
+
+def request_adapters(
+    model: ServedModel, body: ChatCompletionRequest | CompletionRequest
+) -> AdapterSet:
+    """The LoRA set a request decodes with: the adapter its model name picks (`BASE:NAME`)
+    and its `lora` entries; a 404 or 400 for an adapter or scale the model cannot serve."""
+    listed = [(c.id, c.scale) for c in body.lora or ()]
+    if not model.adapters:
+        if listed:
+            raise InvalidRequest(f"model {model.name!r} serves no LoRA adapters", param="lora")
+        return ()
+    # The registry resolved `BASE:NAME` (or a bare NAME) to this model, 404 for a NAME it
+    # lacks: what is left is which of its adapters the name picks, if any.
+    wanted = body.model.rpartition(":")[2]
+    named = next((i for i, a in enumerate(model.adapters) if a.name == wanted), None)
+    return adapter_set(model.adapters, named, listed)
 
 
 def deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ferrum.engine.request import SamplingParams
+from ferrum.engine.request import AdapterSet, SamplingParams
 
 
 @dataclass(slots=True)
@@ -28,13 +28,17 @@ class BatchItem:
 
     With a draft, the last `draft` tokens are guesses (`speculation/`): the sampler picks
     at the last real token and at each guess in order while its pick equals the next guess;
-    the positions of guesses it did not take are removed from the sequence."""
+    the positions of guesses it did not take are removed from the sequence.
+
+    Every item of one step has the same `adapters` (LoRA set): llama.cpp applies one set to
+    a whole decode."""
 
     seq_id: int
     tokens: Sequence[int]
     start_pos: int
     sample_for: str | None = None
     draft: int = 0
+    adapters: AdapterSet = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ class StepResult:
     # Structured output: token masks computed (a constrained pick the grammar refused, or
     # logprobs asked), each one's seconds.
     mask_seconds: list[float] = field(default_factory=list)
+    adapter_switches: int = 0  # decodes that changed the context's LoRA set
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,8 @@ class LLMEngine:
             assert req.seq_id is not None  # scheduled requests hold a sequence
             tokens = req.all_token_ids[c.start : c.start + c.length] + list(c.draft)
             sample_for = req.request_id if c.samples else None
-            items.append(BatchItem(req.seq_id, tokens, c.start, sample_for, len(c.draft)))
+            draft = len(c.draft)
+            items.append(BatchItem(req.seq_id, tokens, c.start, sample_for, draft, req.adapters))
         result = self.runner.execute(items)
         if self.speculator is not None and result.decode_s > 0 and not sched.has_prefill:
             self.speculator.timed(sched.num_tokens, result.decode_s)

@@ -18,6 +18,15 @@ from dataclasses import dataclass, field
 
 from ferrum.engine.kv.ledger import PageTable
 
+# LoRA adapters a request decodes with: (adapter id, scale) pairs sorted by id, no zero
+# scale; () is the base model. KV computed under one set is wrong under another.
+AdapterSet = tuple[tuple[int, float], ...]
+
+
+def adapter_scope(adapters: AdapterSet) -> str:
+    """The part of a cache scope that keeps one adapter set's KV from every other set's."""
+    return "" if not adapters else "|lora:" + ",".join(f"{i}*{s!r}" for i, s in adapters)
+
 
 class FinishReason(enum.StrEnum):
     """Maps one to one onto OpenAI `finish_reason` (abort and error never reach a client)."""
@@ -62,6 +71,8 @@ class SamplingParams:
     cache_scope: str = ""
     # Whom the request's decode slot counts against when slots are shared out fairly.
     tenant: str = ""
+    # The LoRA adapters it decodes with (`AdapterSet`); each step decodes one set.
+    adapters: AdapterSet = ()
 
     @property
     def greedy(self) -> bool:
@@ -96,8 +107,13 @@ class Request:
 
     @property
     def cache_scope(self) -> str:
-        """Whose cached prefixes the request may reuse (its owner scope in the prefix index)."""
-        return self.params.cache_scope
+        """Whose cached prefixes the request may reuse (its owner scope in the prefix index):
+        the caller's scope and the adapter set, so KV never crosses adapter sets."""
+        return self.params.cache_scope + adapter_scope(self.params.adapters)
+
+    @property
+    def adapters(self) -> AdapterSet:
+        return self.params.adapters
 
     @property
     def num_prompt_tokens(self) -> int:

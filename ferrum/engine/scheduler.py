@@ -32,6 +32,9 @@ either way; without a prefix cache it is recomputed like a preemption for memory
 request of a tenant below its share is admitted before the step's decodes, and the tenants
 above their share sit that one step out (`FairShare.fast_lane`): its first token does not
 wait for theirs.
+
+LoRA adapters (`adapter_turns.py`): every step decodes one adapter set, its requests only;
+the sets with work take turns, so each rule above applies within the set whose turn it is.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ferrum.engine.adapter_turns import AdapterTurns
 from ferrum.engine.fairness import FairShare
 from ferrum.engine.kv.ledger import IntegrityError
 from ferrum.engine.kv.residency import KVManager, Reuse
-from ferrum.engine.request import FinishReason, Request, RequestStatus
+from ferrum.engine.request import AdapterSet, FinishReason, Request, RequestStatus
 from ferrum.engine.speculation.speculator import Speculator
 
 
@@ -98,6 +102,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._sat_out: frozenset[str] = frozenset()  # tenants that sat out the last step
+        self.turns = AdapterTurns()
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -132,20 +137,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.token_budget
         self._share_out(out)
-        sitting_out = self._fast_lane()
-        budget = self._schedule_decodes(out, budget, sitting_out)
-        budget = self._schedule_running_prefills(out, budget, sitting_out)
-        self._admit(out, budget)
-        if out.chunks:
-            self.kv.bound_parked(self.running)
+        for turn in self.turns.order(self.running, self.waiting):
+            self._schedule_set(out, turn)
+            if out.chunks:  # else the turn passes to the next set within this step
+                self.turns.decoded(turn)
+                self.kv.bound_parked(self.running)
+                break
         return out
 
-    def _fast_lane(self) -> frozenset[str]:
+    def _schedule_set(self, out: SchedulerOutput, turn: AdapterSet) -> None:
+        """The step for the requests of one adapter set (`turn`)."""
+        budget = self.token_budget
+        sitting_out = self._fast_lane(turn)
+        budget = self._schedule_decodes(out, budget, sitting_out, turn)
+        budget = self._schedule_running_prefills(out, budget, sitting_out, turn)
+        self._admit(out, budget, turn)
+
+    def _fast_lane(self, turn: AdapterSet) -> frozenset[str]:
         """Admits a newcomer of a tenant below its share ahead of the decodes (its chunk is
         scheduled with the running prefills); the tenants that sit this step out."""
-        lane = self.fairness.fast_lane(self.waiting, self.running, self.max_running, self._sat_out)
+        waiting = [r for r in self.waiting if r.adapters == turn]
+        lane = self.fairness.fast_lane(waiting, self.running, self.max_running, self._sat_out)
         self._sat_out = frozenset()
         if lane is None:
             return frozenset()
@@ -157,11 +170,12 @@ class Scheduler:
         return over
 
     def _schedule_decodes(
-        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str]
+        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str], turn: AdapterSet
     ) -> int:
         decoding = [
             r for r in self.running
             if r.num_tokens - r.num_computed_tokens == 1 and r.params.tenant not in sitting_out
+            and r.adapters == turn
         ]  # fmt: skip
         chunks = []
         for req in decoding:
@@ -194,13 +208,13 @@ class Scheduler:
         return placed
 
     def _schedule_running_prefills(
-        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str]
+        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str], turn: AdapterSet
     ) -> int:
         for req in self.running:
             remaining = req.num_tokens - req.num_computed_tokens
             if budget == 0:
                 break
-            if remaining <= 1 or req.params.tenant in sitting_out:
+            if remaining <= 1 or req.params.tenant in sitting_out or req.adapters != turn:
                 continue
             n = min(remaining, budget)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
@@ -212,10 +226,10 @@ class Scheduler:
         for victim in self.fairness.victims(self.waiting, self.running, self.max_running):
             self._preempt(victim, out, park=True)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, turn: AdapterSet) -> None:
         passed: set[int] = set()  # ids of requests whose donor is computing their prefix
         while budget > 0 and len(self.running) < self.max_running:
-            candidates = [r for r in self.waiting if id(r) not in passed]
+            candidates = [r for r in self.waiting if id(r) not in passed and r.adapters == turn]
             if not candidates:
                 break
             req = self.fairness.pick(candidates, self.running)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from ferrum.errors import FerrumError, ModelLoadError, ServiceUnavailable
+from ferrum.models.adapters import LoraAdapter, named_adapter
 from ferrum.models.errors import InsufficientMemory, ModelBusy, ModelNotFound
 from ferrum.models.presets import Preset
 
@@ -49,6 +50,7 @@ class ModelSpec:
     source: str = ""
     created: float = 0.0
     preset: Preset = field(default_factory=Preset)
+    adapters: tuple[LoraAdapter, ...] = ()  # LoRA adapters served on it, in id order
 
     @property
     def aliases(self) -> tuple[str, ...]:
@@ -146,10 +148,13 @@ class Registry(Generic[T]):
         it, as llama.cpp's single-model server does; otherwise an empty name means the first
         model given and an unknown one is a 404 listing what exists."""
         if len(self._slots) == 1:
-            return next(iter(self._slots.values())).spec
+            spec = next(iter(self._slots.values())).spec
+            if name and self._find(name) is None:
+                named_adapter(spec, name)  # a 404 for an adapter it lacks
+            return spec
         if not name:
             return self._slots[self.default].spec
-        found = self._find(name)
+        found = self._find(name) or self._find_adapter(name)
         if found is None:
             raise ModelNotFound(name, sorted(self._slots))
         return found.spec
@@ -168,6 +173,16 @@ class Registry(Generic[T]):
             if any(n.lower().removesuffix(":latest") == wanted for n in names):
                 return slot
         return None
+
+    def _find_adapter(self, name: str) -> _Slot[T] | None:
+        """The base model of an adapter named `BASE:NAME` (404 for an unknown adapter of a
+        base that has adapters), or named by its bare name when one model has it."""
+        base, colon, _ = name.rpartition(":")
+        slot = self._find(base) if colon else None
+        if slot is not None:
+            return slot if named_adapter(slot.spec, name) is not None else None
+        owners = [s for s in self._slots.values() if any(a.name == name for a in s.spec.adapters)]
+        return owners[0] if len(owners) == 1 else None
 
     # -- leases -----------------------------------------------------------------------------
 

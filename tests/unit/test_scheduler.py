@@ -279,3 +279,41 @@ def test_a_newcomer_that_does_not_fit_makes_nobody_sit_out():
     out = s.schedule()
     assert {f"flood-{i}" for i in range(4)} <= set(_ids(out)) and "chat" not in _ids(out)
     s.check_integrity()
+
+
+def _adapter_req(rid: str, n_prompt: int, adapters: tuple) -> Request:
+    return Request(rid, list(range(1, n_prompt + 1)), sampling(max_tokens=100, adapters=adapters))
+
+
+def test_each_step_decodes_one_adapter_set_and_a_minority_set_waits_at_most_a_turn():
+    s = _sched(256, 16, 8, 64)
+    sets = [(), ((0, 1.0),), ((1, 0.5),)]
+    # A majority on the base, one request on each adapter, the minority arriving last.
+    reqs = [_adapter_req(f"base{i}", 4, ()) for i in range(6)]
+    reqs += [_adapter_req("a", 4, sets[1]), _adapter_req("b", 4, sets[2])]
+    for r in reqs:
+        s.add(r)
+    last_step: dict[str, int] = {}
+    longest_wait = 0
+    for step in range(30):
+        out = s.schedule()
+        assert len({c.request.adapters for c in out.chunks}) == 1  # one set per decode
+        for c in out.chunks:
+            rid = c.request.request_id
+            longest_wait = max(longest_wait, step - last_step.get(rid, step))
+            last_step[rid] = step
+        _advance(out)
+    assert set(last_step) == {r.request_id for r in reqs}  # nobody starved
+    assert longest_wait <= len(sets)  # between two turns of its set: the other sets' turns
+    assert s.turns.switches >= 20
+
+
+def test_a_set_without_room_passes_its_turn_within_the_step():
+    s = _sched(256, 16, 1, 64)  # one slot: the adapter request waits for it
+    s.add(_adapter_req("base", 4, ()))
+    _advance(s.schedule())
+    s.add(_adapter_req("a", 4, ((0, 1.0),)))
+    for _ in range(3):
+        out = s.schedule()
+        assert [c.request.request_id for c in out.chunks] == ["base"]
+        _advance(out)

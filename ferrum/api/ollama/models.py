@@ -39,6 +39,7 @@ from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
 from ferrum.api.serving import ServerState, unless_gone
 from ferrum.engine.contracts import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
+from ferrum.models.adapters import adapter_names
 from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.errors import InvalidModelFile, ModelNotFound
 from ferrum.models.gguf_file import read_gguf
@@ -183,8 +184,12 @@ def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
 def add_model_routes(route: Route, state: ServerState) -> None:
     @route("GET", "/api/tags")
     async def tags(request: Request) -> Response:
-        facts = await _all_facts(state, state.models.specs())
-        return JSONResponse({"models": [_tag(f) for f in facts]})
+        specs = state.models.specs()
+        facts = await _all_facts(state, specs)
+        tags = [_tag(f) for f in facts]
+        for spec, tag in zip(specs, list(tags), strict=True):  # LoRA adapters: BASE:NAME
+            tags += [{**tag, "name": n, "model": n} for n in adapter_names(spec)]
+        return JSONResponse({"models": tags})
 
     @route("POST", "/api/show")
     async def show(request: Request) -> Response:

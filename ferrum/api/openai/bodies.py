@@ -59,6 +59,14 @@ def _param(loc: Sequence[int | str]) -> str:
     return param
 
 
+class LoraChoice(BaseModel):
+    """One of llama-server's `lora` entries: an adapter id (flag order) and its scale."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    id: int
+    scale: float = 1.0
+
+
 class _Body(BaseModel):
     # Strict: a JSON value of the wrong type is refused rather than coerced (true is not 1, 2.5
     # is not 2), so requests mean what the OpenAPI schema says.
@@ -203,6 +211,8 @@ class _SamplingBody(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Extension (llama-server's): LoRA adapters by id and scale (`ferrum.models.adapters`).
+    lora: Annotated[list[LoraChoice], Field(max_length=64)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -27,6 +27,7 @@ from ferrum.api.serving import (
     serve_request,
 )
 from ferrum.errors import RequestTimeout
+from ferrum.models.adapters import adapter_names
 from ferrum.models.errors import ModelNotFound
 from ferrum.models.registry import Lease, ModelSpec
 
@@ -94,7 +95,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @route(app, "GET", "/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state, s) for s in state.models.specs()]}
+        cards = [c for s in state.models.specs() for c in _cards(state, s)]
+        return {"object": "list", "data": cards}
 
     @route(app, "GET", "/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
@@ -137,6 +139,16 @@ async def complete(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reply = Completion(lease.name, body.stream, include_usage)
     return await serve_request(state, http, lease, body, prepare_fn, reply)
+
+
+def _cards(state: ServerState, spec: ModelSpec) -> list[dict[str, Any]]:
+    """A model's card, then one per LoRA adapter served on it (`BASE:NAME`, its `parent`
+    the base, as vLLM lists adapters)."""
+    card = _model_card(state, spec)
+    adapters = [
+        {**card, "id": name, "parent": spec.name, "meta": None} for name in adapter_names(spec)
+    ]
+    return [card, *adapters]
 
 
 def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:

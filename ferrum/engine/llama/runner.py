@@ -29,6 +29,7 @@ import llama_cpp as ll
 from ferrum.config import EngineConfig
 from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
+from ferrum.engine.llama.adapters import LoraAdapters
 from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
@@ -58,7 +59,7 @@ def route_llama_logs() -> None:
 
 
 class LlamaRunner:
-    def __init__(self, config: EngineConfig, model_path: str):
+    def __init__(self, config: EngineConfig, model_path: str, lora_paths: Sequence[str] = ()):
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
         route_llama_logs()
@@ -68,6 +69,7 @@ class LlamaRunner:
         self._batch: Any = None
         self._window: _WindowProbe | None = None
         self._samplers: dict[str, Sampler] = {}
+        self._adapters: LoraAdapters | None = None
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
         self._model = ll.llama_model_load_from_file(model_path.encode(), mparams)
@@ -76,6 +78,7 @@ class LlamaRunner:
         self._vocab = LlamaVocab(self._model)
         try:
             self._init_context(config)
+            self._adapters = LoraAdapters(self._model, lora_paths)  # ids: their order here
         except Exception:
             self.close()
             raise
@@ -267,6 +270,7 @@ class LlamaRunner:
                 sample_at.append((i, n - 1 - item.draft, item.sample_for))
         if n > self._n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
+        self._use_adapters([items[i] for i in idx], result)
         batch.n_tokens = n
         result.decode_calls += 1
         start = time.perf_counter()
@@ -277,6 +281,14 @@ class LlamaRunner:
         for i, b, request_id in sample_at:
             self._verify(items[i], b, self._samplers[request_id], i, result)
         return 0
+
+    def _use_adapters(self, items: list[BatchItem], result: StepResult) -> None:
+        """The decode's one LoRA set on the context, sent only when it changed."""
+        sets = {item.adapters for item in items}
+        if len(sets) > 1:
+            raise ValueError(f"one decode cannot mix adapter sets: {sorted(sets)}")
+        if self._adapters is not None and self._adapters.use(self._ctx, sets.pop()):
+            result.adapter_switches += 1
 
     def _verify(
         self, item: BatchItem, b: int, sampler: Sampler, i: int, result: StepResult
@@ -312,6 +324,9 @@ class LlamaRunner:
         if self._ctx is not None:
             ll.llama_free(self._ctx)
             self._ctx = None
+        if self._adapters is not None:  # after the context that used them, before the model
+            self._adapters.free()
+            self._adapters = None
         if self._model is not None:
             ll.llama_model_free(self._model)
             self._model = None

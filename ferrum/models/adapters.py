@@ -1,0 +1,150 @@
+"""LoRA adapters served on a base model: the `--lora` flags, and what a request picks.
+
+Flags (`ModelsConfig.lora`, in the order given; `--lora-scaled PATH SCALE` is stored as
+`PATH@SCALE`):
+
+    --lora PATH                 llama-server's: named after the file's stem
+    --lora NAME=PATH            on the one model served
+    --lora BASE:NAME=PATH       on model BASE (needed when several models are served)
+    ...@SCALE                   the scale a request gets by naming the adapter (default 1)
+
+A base model's adapters are numbered 0, 1, ... in flag order, as llama-server numbers them.
+A request picks adapters by model name `BASE:NAME` (vLLM/SGLang style: that adapter at its
+default scale) or by llama-server's `lora: [{"id": 0, "scale": 1.0}]` (several at once;
+listed ids override the name's). The set it decodes with (`AdapterSet`) is sorted by id,
+without zero scales: a request whose scales are all 0 decodes with the base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ferrum.errors import InvalidRequest
+from ferrum.models.errors import ModelNotFound
+
+if TYPE_CHECKING:
+    from ferrum.models.registry import ModelSpec
+
+# The largest |scale| a request may ask for: far past any useful value, and it keeps a typo
+# (1e6) from turning the model's output into noise for the request alone.
+MAX_SCALE = 100.0
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    path: str
+    scale: float = 1.0  # when a request names it by `BASE:NAME`
+
+
+@dataclass(frozen=True)
+class LoraFlag:
+    base: str  # "" : the one model served
+    adapter: LoraAdapter
+
+
+def parse_lora_flag(text: str) -> LoraFlag:
+    """One `--lora` value; ValueError naming it when it does not parse."""
+    body, scale = text, 1.0
+    head, at, tail = text.rpartition("@")
+    if at and head:
+        try:
+            scale = float(tail)
+            body = head
+        except ValueError:
+            pass  # an '@' that is part of the path
+    check_scale(scale, ValueError, f"--lora {text}")
+    base, name, path = "", "", body
+    left, eq, right = body.partition("=")
+    if eq and left and "/" not in left:
+        path = right
+        base, _, name = left.rpartition(":")
+    if not path:
+        raise ValueError(f"--lora {text}: no adapter file given")
+    return LoraFlag(base, LoraAdapter(name or Path(path).stem, path, scale))
+
+
+def check_scale(scale: float, error: Callable[[str], Exception], what: str) -> None:
+    if not math.isfinite(scale) or abs(scale) > MAX_SCALE:
+        raise error(f"{what}: a LoRA scale must be a finite number in [-{MAX_SCALE:g}, "
+                    f"{MAX_SCALE:g}], not {scale}")  # fmt: skip
+
+
+def attach(specs: Sequence[ModelSpec], flags: Iterable[str]) -> list[ModelSpec]:
+    """The specs with their `--lora` adapters (ids in flag order); ValueError for a flag
+    without a base while several models are served, an unknown base or a repeated name."""
+    specs = list(specs)
+    by_name = {n.lower(): i for i, s in enumerate(specs) for n in (s.name, *s.aliases)}
+    for text in flags:
+        flag = parse_lora_flag(text)
+        if not flag.base and len(specs) != 1:
+            raise ValueError(
+                f"--lora {text}: several models are served; name the base as BASE:NAME=PATH"
+            )
+        i = by_name.get(flag.base.lower(), -1) if flag.base else 0
+        if i < 0:
+            raise ValueError(f"--lora {text}: no model {flag.base!r} is served")
+        if not os.path.isfile(os.path.expanduser(flag.adapter.path)):
+            raise ValueError(f"--lora {text}: file not found: {flag.adapter.path}")
+        path = os.path.abspath(os.path.expanduser(flag.adapter.path))
+        spec = specs[i]
+        if any(a.name == flag.adapter.name for a in spec.adapters):
+            raise ValueError(f"--lora {text}: {spec.name} already has an adapter of that name")
+        adapter = dataclasses.replace(flag.adapter, path=path)
+        specs[i] = dataclasses.replace(spec, adapters=(*spec.adapters, adapter))
+    return specs
+
+
+def adapter_names(spec: ModelSpec) -> list[str]:
+    """The `BASE:NAME` model names of a spec's adapters (for /v1/models and /api/tags)."""
+    return [f"{spec.name}:{a.name}" for a in spec.adapters]
+
+
+def named_adapter(spec: ModelSpec, requested: str) -> int | None:
+    """The id of the adapter `requested` (a `BASE:NAME` model name, or an adapter's bare
+    name) picks on `spec`, None when it names the base itself; a 404 listing the adapters
+    when it names one `spec` lacks."""
+    if not spec.adapters:
+        return None
+    base, colon, name = requested.rpartition(":")
+    if not colon:
+        name = requested  # an adapter's bare name, as vLLM serves them
+    for i, a in enumerate(spec.adapters):
+        if a.name == name:
+            return i
+    wanted = base.lower()
+    ours = wanted in (n.lower() for n in (spec.name, *spec.aliases))
+    if colon and ours and name.lower() != "latest":
+        raise ModelNotFound(requested, adapter_names(spec), what="LoRA adapter")
+    return None
+
+
+def adapter_set(
+    adapters: Sequence[LoraAdapter], named: int | None, listed: Iterable[tuple[int, float]]
+) -> tuple[tuple[int, float], ...]:
+    """A request's adapter set: the named adapter at its scale, then each listed (id,
+    scale), a later one replacing an earlier of the same id; 400 for an unknown id or a
+    scale out of range."""
+    chosen: dict[int, float] = {}
+    if named is not None:
+        chosen[named] = adapters[named].scale
+    for i, scale in listed:
+        if not 0 <= i < len(adapters):
+            raise InvalidRequest(
+                f"lora: no adapter id {i}; this model has {len(adapters)} "
+                f"({', '.join(f'{j}: {a.name}' for j, a in enumerate(adapters)) or 'none'})",
+                param="lora",
+            )
+        check_scale(scale, _lora_error, f"lora id {i}")
+        chosen[i] = float(scale)
+    return tuple(sorted((i, s) for i, s in chosen.items() if s != 0.0))
+
+
+def _lora_error(message: str) -> InvalidRequest:
+    return InvalidRequest(message, param="lora")
