@@ -247,9 +247,10 @@ def _save(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
     writer.close()
 
 
-def write_tiny_llama(path: pathlib.Path) -> pathlib.Path:
-    """Write a 2-layer llama (4 heads, 2 KV heads) with a ChatML template."""
-    n_head, n_head_kv, n_ff = 4, 2, 128
+def write_tiny_llama(path: pathlib.Path, n_head: int = 4) -> pathlib.Path:
+    """Write a 2-layer llama (4 heads of 16 values, 2 KV heads) with a ChatML template.
+    `n_head=2`: heads of 32 values, one KV head, which quantized KV blocks (32) divide."""
+    n_head_kv, n_ff = n_head // 2, 128
     head_dim = N_EMBD // n_head
     path = pathlib.Path(path)
     writer = _new_writer(path, "llama")
