@@ -194,14 +194,27 @@ class _Loader:
         return estimate_bytes(spec.locate(), cfg.ctx_size, cfg.cache_type_k, cfg.cache_type_v)
 
     def check(self, specs: list[ModelSpec]) -> None:
-        """ValueError for a model whose preset's KV settings, with the flags', no context
-        accepts (a quantized V with flash attention off): refused at start, not at its load."""
+        """ValueError naming the flag for KV settings no context accepts, refused at start:
+        a model whose preset's settings, with the flags', pair a quantized V with flash
+        attention off; the default model (loaded at start) if a type's block does not divide
+        its heads. Other models' heads are checked when they load."""
         for spec in specs:
             cfg = self.engine_config(spec)
             try:
                 check_kv_settings(cfg.cache_type_k, cfg.cache_type_v, cfg.flash_attn)
+                if spec is specs[0]:
+                    _check_heads(spec.locate(), cfg)
             except ValueError as exc:
-                raise ValueError(f"model {spec.name!r} (flags and preset): {exc}") from exc
+                raise ValueError(f"model {spec.name!r}: {exc}") from exc
+
+
+def _check_heads(path: str, cfg: EngineConfig) -> None:
+    try:
+        facts = read_gguf(path)
+    except InvalidModelFile:
+        return  # its load says why, in the model's own words
+    if not facts.is_embedding_model:
+        check_head_sizes(cfg.cache_type_k, cfg.cache_type_v, facts.head_k, facts.head_v)
 
 
 def build_server(

@@ -3,18 +3,23 @@ environment, a presets file), what is refused at start, and what every byte coun
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from ferrum.cli import _build, _check, main, make_parser
-from ferrum.config import EngineConfig, ModelsConfig
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.outputs import StepStats
+from ferrum.errors import ModelLoadError
 from ferrum.kv_types import CELL_TYPES, check_head_sizes, kv_bytes_per_cell
 from ferrum.metrics import Metrics
 from ferrum.models.memory import estimate_bytes, kv_bytes_per_token
 from ferrum.models.presets import load_presets
+from ferrum.models.registry import ModelSpec
+from ferrum.server import _Loader
+from ferrum.server_metrics import ServerMetrics
 from tests.factories import FakeRunner, fake_app, model_info
 from tests.tiny_models import write_tiny_llama
 
@@ -113,6 +118,26 @@ def test_a_block_that_does_not_divide_the_head_size_is_refused_naming_the_flag()
         check_head_sizes("q8_0", "f16", 16, 16)
     with pytest.raises(ValueError, match="--cache-type-v q4_1"):
         check_head_sizes("f16", "q4_1", 64, 48)
+
+
+def test_a_default_model_whose_heads_the_block_does_not_divide_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    llama = str(write_tiny_llama(tmp_path / "llama.gguf"))  # heads of 16 values
+    argv = ["--models-dir", str(tmp_path), "-m", llama, "-ctk", "q8_0", "--cache-disk", "0"]
+    err = _refused(capsys, argv)
+    assert "--cache-type-k q8_0" in err and "16 values" in err
+
+
+def test_another_model_whose_heads_the_block_does_not_divide_is_refused_at_its_load(
+    tmp_path: Path,
+) -> None:
+    llama = str(write_tiny_llama(tmp_path / "llama.gguf"))
+    cfg = EngineConfig(cache_type_k="f16", cache_type_v="q4_0")
+    with ThreadPoolExecutor(1) as threads:
+        loader = _Loader(cfg, ServerConfig(), ServerMetrics(), threads)
+        with pytest.raises(ModelLoadError, match="--cache-type-v q4_0"):
+            loader._build(ModelSpec("other", lambda: llama))
 
 
 def test_bytes_per_cell_follow_the_types() -> None:
