@@ -21,6 +21,7 @@ from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.outputs import EngineObserver, StepStats
+from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import ModelLoadError
 from ferrum.kv_types import kv_bytes_per_cell
 from ferrum.models.gguf_file import read_gguf
@@ -116,6 +117,31 @@ def test_ram_and_disk_restores_on_a_quantized_cache_equal_the_same_cache_without
     assert sum(cached >= len(p) for (_, cached), p in zip(third, nexts, strict=True)) >= 3
     assert second == _fresh(llama32, Q8, nexts)
     assert [t for t, _ in third] == _fresh(llama32, Q8, thirds)
+
+
+def test_speculation_on_a_quantized_cache_equals_the_same_cache_without_it(
+    llama32: str,
+) -> None:
+    """Guesses verified in the decode and the positions not taken removed with seq_rm, on
+    q8_0 cells: the same tokens as one-at-a-time decoding on the same cache."""
+    spec = SpecConfig(draft_max=8, ngram_min=1, ngram_max=3)
+    texts = ["a b a b a b a b", "the river runs past the mill " * 3, "hello hello hello"]
+
+    def outputs(speculation: SpecConfig | None) -> tuple[list[list[int]], int]:
+        runner = LlamaRunner(_config(**Q8), llama32)
+        try:
+            engine = LLMEngine(runner, block_size=16, speculation=speculation)
+            for i, t in enumerate(texts):
+                engine.add_request(f"r{i}", _tokens(engine, t), sampling(max_tokens=30))
+            done = run_to_completion(engine)
+            drafted = engine.speculator.drafted if engine.speculator else 0
+        finally:
+            runner.close()
+        return [done[f"r{i}"]["tokens"] for i in range(len(texts))], drafted
+
+    reference, _ = outputs(None)
+    got, drafted = outputs(spec)
+    assert drafted > 0 and got == reference
 
 
 @pytest.mark.parametrize(
