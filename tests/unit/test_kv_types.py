@@ -43,6 +43,10 @@ def test_llama_servers_flags_are_accepted() -> None:
     cfg = _engine(["--cache-type-k", "bf16", "--cache-type-v", "f32", "--flash-attn", "off"])
     assert (cfg.cache_type_k, cfg.cache_type_v, cfg.flash_attn) == ("bf16", "f32", "off")
     assert (EngineConfig().cache_type_k, EngineConfig().flash_attn) == ("f16", "auto")
+    cluster = _build(
+        EngineConfig, make_parser().parse_args(["cluster", "-ctk", "q8_0", "-fa", "on"])
+    )
+    assert (cluster.cache_type_k, cluster.flash_attn) == ("q8_0", "on")
 
 
 def test_the_environment_sets_them(monkeypatch: pytest.MonkeyPatch) -> None:
