@@ -16,7 +16,7 @@ from ferrum.errors import ModelLoadError
 from ferrum.kv_types import CELL_TYPES, check_head_sizes, kv_bytes_per_cell
 from ferrum.metrics import Metrics
 from ferrum.models.memory import estimate_bytes, kv_bytes_per_token
-from ferrum.models.presets import load_presets
+from ferrum.models.presets import Preset, load_presets
 from ferrum.models.registry import ModelSpec
 from ferrum.server import _Loader
 from ferrum.server_metrics import ServerMetrics
@@ -162,6 +162,14 @@ def test_the_registrys_estimate_follows_the_types(tmp_path: Path) -> None:
     assert kv_bytes_per_token(llama, "q8_0", "q8_0") == 2 * (64 // 32) * 34
     assert estimate_bytes(llama, 1024, "q8_0", "q4_0") == weights + 1024 * (2 * 34 + 2 * 18)
     assert estimate_bytes(llama, 1024) == weights + 1024 * 256
+    # What the registry weighs against --memory-budget: a model's preset types over the flags'.
+    preset = Preset(engine={"cache_type_k": "q8_0", "cache_type_v": "q8_0"})
+    with ThreadPoolExecutor(1) as threads:
+        loader = _Loader(EngineConfig(ctx_size=1024), ServerConfig(), ServerMetrics(), threads)
+        assert loader.estimate(ModelSpec("m", lambda: llama, preset=preset)) == (
+            weights + 1024 * 4 * 34
+        )
+        assert loader.estimate(ModelSpec("f", lambda: llama)) == weights + 1024 * 256
 
 
 def test_metrics_show_the_kv_bytes_in_use_and_the_types() -> None:
