@@ -24,6 +24,7 @@ from ferrum.bench.command import add_parser as add_bench_parser
 from ferrum.cluster.settings import ClusterConfig, ClusterSettings
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.errors import FerrumError, ModelLoadError
+from ferrum.kv_types import check_kv_settings
 from ferrum.models import commands as model_commands
 from ferrum.models.catalog import with_alias
 
@@ -165,6 +166,7 @@ def _check(engine: EngineConfig, models: ModelsConfig) -> None:
         raise ValueError("--spec-ngram-min must be at least 1 and at most --spec-ngram-max")
     if engine.spec_draft_max < 0 or engine.spec_batch_max < 0 or engine.spec_recent < 0:
         raise ValueError("--spec-draft-max, --spec-batch-max and --spec-recent must be 0 or more")
+    check_kv_settings(engine.cache_type_k, engine.cache_type_v, engine.flash_attn)
 
 
 def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, models_cfg: ModelsConfig) -> None:

@@ -166,6 +166,33 @@ class EngineConfig:
             "retry must absorb (counted in ferrum_faults_injected_total)",
         ),
     )
+    cache_type_k: str = field(
+        default="f16",
+        metadata=_flag(
+            "--cache-type-k",
+            "-ctk",
+            help="KV cache type of K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 "
+            "(q8_0 halves f16's bytes per token: about twice the sequences in the same memory)",
+        ),
+    )
+    cache_type_v: str = field(
+        default="f16",
+        metadata=_flag(
+            "--cache-type-v",
+            "-ctv",
+            help="KV cache type of V, as --cache-type-k; a quantized V needs --flash-attn on "
+            "or auto",
+        ),
+    )
+    flash_attn: str = field(
+        default="auto",
+        metadata=_flag(
+            "--flash-attn",
+            "-fa",
+            help="flash attention: on, off or auto (llama.cpp decides for the device; on for "
+            "a quantized V cache)",
+        ),
+    )
 
     def resolved_threads(self) -> int:
         return self.threads if self.threads > 0 else physical_cores()

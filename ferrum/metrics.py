@@ -36,7 +36,14 @@ _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _APPLY_S = 0.25  # longest a published step waits to reach the series
-_TIER_EVENTS = ("saves", "restores", "restored_tokens", "failures", "write_failures")
+_TIER_EVENTS = (
+    "saves",
+    "restores",
+    "restored_tokens",
+    "failures",
+    "write_failures",
+    "files_dropped",
+)
 
 
 def _tier_snapshot(tiers: TierStats | None) -> dict[str, Any]:
@@ -94,6 +101,7 @@ class _TurnTotals(Collector):
 class Metrics(EngineObserver):
     def __init__(self) -> None:
         self._last = StepStats()
+        self._kv_types: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pending: list[StepStats] = []
         self._apply_at = 0.0
@@ -151,6 +159,17 @@ class Metrics(EngineObserver):
             registry=r,
         )
         self.kv_usage = Gauge("ferrum_kv_cache_usage_ratio", "KV blocks in use / total", registry=r)
+        self.kv_bytes = Gauge(
+            "ferrum_kv_cache_bytes",
+            "Bytes of the KV blocks in use, at the cache's cell types",
+            registry=r,
+        )
+        self.kv_types = Gauge(
+            "ferrum_kv_cache_type_info",
+            "The KV cache's cell types and flash attention (1 for the current ones)",
+            ["type_k", "type_v", "flash_attn"],
+            registry=r,
+        )
         self.queue_depth = Gauge("ferrum_queue_depth", "Requests waiting for admission", registry=r)
         self.active = Gauge("ferrum_active_requests", "Requests admitted and running", registry=r)
         self.preemptions = Counter(
@@ -251,7 +270,8 @@ class Metrics(EngineObserver):
         self.tier_events = Counter(
             "ferrum_prefix_tier_events",
             "saves (evicted states kept), restores, restored_tokens, failures (a load or "
-            "restore refused: prefilled instead), write_failures (kept in RAM only)",
+            "restore refused: prefilled instead), write_failures (kept in RAM only), files_dropped "
+            "(disk files of another model, build or KV settings, deleted at start)",
             ["event"],
             registry=r,
         )
@@ -329,8 +349,15 @@ class Metrics(EngineObserver):
                 self.prefix_misses.inc()
                 totals["misses"] += 1
 
+    def set_kv_types(self, type_k: str, type_v: str, flash_attn: str) -> None:
+        """The types the model's KV cache was created with (at each load)."""
+        self.kv_types.clear()
+        self.kv_types.labels(type_k=type_k, type_v=type_v, flash_attn=flash_attn).set(1)
+        self._kv_types = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn}
+
     def _gauges(self, stats: StepStats) -> None:
         self.kv_usage.set(stats.kv_usage)
+        self.kv_bytes.set(stats.kv_bytes_used)
         self.queue_depth.set(stats.queue_depth)
         self.active.set(stats.active_requests)
         self.parked.set(stats.parked_sequences)
@@ -367,6 +394,9 @@ class Metrics(EngineObserver):
         return {
             "kv_cache_usage_ratio": round(last.kv_usage, 6),
             "kv_blocks_total": last.kv_blocks_total,
+            "kv_cache_bytes": last.kv_bytes_used,
+            "kv_cache_bytes_total": last.kv_bytes_total,
+            "kv_cache_types": dict(self._kv_types),
             "queue_depth": last.queue_depth,
             "active_requests": last.active_requests,
             "prefix_cache": {

@@ -27,11 +27,12 @@ from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
+from ferrum.kv_types import check_head_sizes, check_kv_settings
 from ferrum.models.adapters import attach as attach_adapters
 from ferrum.models.catalog import serve_specs
 from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
-from ferrum.models.memory import estimate_bytes, memory_budget
+from ferrum.models.memory import estimate_bytes, facts_kv_bytes, memory_budget
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
@@ -71,13 +72,9 @@ class _Loader:
         return party
 
     def engine_config(self, spec: ModelSpec) -> EngineConfig:
-        engine = spec.preset.engine
-        return dataclasses.replace(
-            self.engine_cfg,
-            ctx_size=engine.get("ctx_size", self.engine_cfg.ctx_size),
-            parallel=engine.get("parallel", self.engine_cfg.parallel),
-            batch_size=engine.get("batch_size", self.engine_cfg.batch_size),
-        )
+        """The flags' engine settings with the model's preset over them."""
+        preset: dict[str, Any] = dict(spec.preset.engine)  # typed and checked by presets.py
+        return dataclasses.replace(self.engine_cfg, **preset)
 
     async def load(self, spec: ModelSpec) -> Loaded:
         model = await self._in_thread(self._build, spec)
@@ -105,7 +102,12 @@ class _Loader:
                 metrics=self.metrics.for_model(spec.name),
                 close_runner=runner.close,
             )
-        return self._chat(spec, cfg, path)
+        try:
+            check_head_sizes(cfg.cache_type_k, cfg.cache_type_v, facts.head_k, facts.head_v)
+        except ValueError as exc:
+            raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
+        kv_cell = facts_kv_bytes(facts, cfg.cache_type_k, cfg.cache_type_v)
+        return self._chat(spec, cfg, path, kv_cell)
 
     def _embedding_runner(self, path: str, cfg: EngineConfig, pooling: str) -> EmbeddingRunner:
         threads = cfg.resolved_threads()
@@ -125,8 +127,9 @@ class _Loader:
             turns=self._party(name, "embeddings"),
         )
 
-    def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str) -> ServedModel:
-        runner = LlamaRunner(cfg, path, [a.path for a in spec.adapters])
+    def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str, kv_cell: int) -> ServedModel:
+        lora = [a.path for a in spec.adapters]
+        runner = LlamaRunner(cfg, path, lora, kv_bytes_per_cell=kv_cell)
         info = runner.info
         try:
             template = spec.preset.chat_template or self.server_cfg.chat_template
@@ -136,6 +139,7 @@ class _Loader:
             runner.close()
             raise
         metrics = self.metrics.for_model(spec.name)
+        metrics.set_kv_types(info.cache_type_k, info.cache_type_v, info.flash_attn)
         engine = LLMEngine(
             runner,
             block_size=cfg.block_size,
@@ -194,7 +198,30 @@ class _Loader:
 
     def estimate(self, spec: ModelSpec) -> int:
         cfg = self.engine_config(spec)
-        return estimate_bytes(spec.locate(), cfg.ctx_size)
+        return estimate_bytes(spec.locate(), cfg.ctx_size, cfg.cache_type_k, cfg.cache_type_v)
+
+    def check(self, specs: list[ModelSpec]) -> None:
+        """ValueError naming the flag for KV settings no context accepts, refused at start:
+        a model whose preset's settings, with the flags', pair a quantized V with flash
+        attention off; the default model (loaded at start) if a type's block does not divide
+        its heads. Other models' heads are checked when they load."""
+        for spec in specs:
+            cfg = self.engine_config(spec)
+            try:
+                check_kv_settings(cfg.cache_type_k, cfg.cache_type_v, cfg.flash_attn)
+                if spec is specs[0]:
+                    _check_heads(spec.locate(), cfg)
+            except ValueError as exc:
+                raise ValueError(f"model {spec.name!r}: {exc}") from exc
+
+
+def _check_heads(path: str, cfg: EngineConfig) -> None:
+    try:
+        facts = read_gguf(path)
+    except InvalidModelFile:
+        return  # its load says why, in the model's own words
+    if not facts.is_embedding_model:
+        check_head_sizes(cfg.cache_type_k, cfg.cache_type_v, facts.head_k, facts.head_v)
 
 
 def build_server(
@@ -211,6 +238,7 @@ def build_server(
     # At most this many loads and unloads at once; more wait their turn.
     threads = ThreadPoolExecutor(4, "ferrum-load")
     loader = _Loader(engine_cfg, server_cfg, metrics, threads)
+    loader.check(specs)
     registry: Registry[Loaded] = Registry(
         specs,
         loader.load,

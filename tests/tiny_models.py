@@ -258,10 +258,13 @@ def _save(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
 _LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF = 4, 2, 128
 
 
-def write_tiny_llama(path: pathlib.Path, merge: tuple[int, float] | None = None) -> pathlib.Path:
-    """Write a 2-layer llama (4 heads, 2 KV heads) with a ChatML template; `merge`: (seed,
-    scale) of a `write_tiny_lora` adapter whose scaled B·A is added to the weights."""
-    n_head, n_head_kv, n_ff = _LLAMA_HEADS, _LLAMA_KV_HEADS, _LLAMA_FF
+def write_tiny_llama(
+    path: pathlib.Path, merge: tuple[int, float] | None = None, n_head: int = _LLAMA_HEADS
+) -> pathlib.Path:
+    """Write a 2-layer llama (4 heads of 16 values, 2 KV heads) with a ChatML template.
+    `merge`: (seed, scale) of a `write_tiny_lora` adapter whose scaled B·A is added to the
+    weights; `n_head=2`: heads of 32 values, one KV head, which quantized KV blocks (32) divide."""
+    n_head_kv, n_ff = n_head // 2, _LLAMA_FF
     head_dim = N_EMBD // n_head
     path = pathlib.Path(path)
     writer = _new_writer(path, "llama")

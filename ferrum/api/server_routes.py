@@ -77,10 +77,12 @@ def add_server_routes(app: FastAPI, state: ServerState) -> None:
 
 def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     """Several models' /health figures as one: counts add up, the KV use ratio is the
-    highest."""
+    highest; words (a model's KV cell types) stay with their model."""
     total: dict[str, Any] = {}
     for snap in snapshots:
         for key, value in snap.items():
+            if key == "kv_cache_types":
+                continue
             if isinstance(value, dict):
                 total[key] = _sum_snapshots([total.get(key, {}), value])
             elif key.endswith("_ratio"):

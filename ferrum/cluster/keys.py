@@ -63,7 +63,7 @@ class PromptKeys:
         except Exception:
             file.close()
             raise
-        ctx = spec.preset.engine.get("ctx_size", ctx_size)
+        ctx = int(spec.preset.engine.get("ctx_size", ctx_size))
         return cls(spec.name, file, formatter, spec.preset.system, ctx)
 
     def tokens(self, body: Body) -> list[int]:

@@ -87,6 +87,12 @@ class ModelInfo:
     # What a saved sequence state depends on besides the model file: the llama.cpp build and
     # the KV settings (`tiers.model_fingerprint`).
     state_format: str = ""
+    # The KV cache's cell types and flash attention (on, off, or auto: llama.cpp's choice),
+    # and the bytes one cell takes over all layers at those types (0: not known).
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    kv_bytes_per_cell: int = 0
 
 
 class Vocabulary(Protocol):

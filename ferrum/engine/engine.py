@@ -325,6 +325,9 @@ class LLMEngine:
         sched = self.scheduler
         stats.kv_usage = sched.blocks.usage
         stats.kv_blocks_total = sched.blocks.num_blocks
+        cell_bytes = sched.blocks.block_size * self.info.kv_bytes_per_cell
+        stats.kv_bytes_total = sched.blocks.num_blocks * cell_bytes
+        stats.kv_bytes_used = (sched.blocks.num_blocks - sched.blocks.num_free) * cell_bytes
         kv = self.kv_manager
         stats.parked_sequences = len(kv.parked)
         stats.parked_blocks = kv.parked.num_blocks

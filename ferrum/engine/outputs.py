@@ -66,6 +66,8 @@ class StepStats:
     step_s: float = 0.0
     kv_usage: float = 0.0
     kv_blocks_total: int = 0
+    kv_bytes_used: int = 0  # cells of the blocks in use × bytes per cell at the KV types
+    kv_bytes_total: int = 0
     parked_sequences: int = 0
     parked_blocks: int = 0
     evictions_total: int = 0

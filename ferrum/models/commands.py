@@ -141,11 +141,23 @@ def _ps(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{url} did not answer JSON") from exc
     rows = [
-        [str(m.get("name", "")), _size(int(m.get("size") or 0)), _until(m.get("expires_at"))]
+        [
+            str(m.get("name", "")),
+            _size(int(m.get("size") or 0)),
+            _kv(m.get("kv_cache")),
+            _until(m.get("expires_at")),
+        ]
         for m in body.get("models", [])
     ]
-    _table(["NAME", "SIZE", "UNTIL"], rows)
+    _table(["NAME", "SIZE", "KV", "UNTIL"], rows)
     return 0
+
+
+def _kv(cache: Any) -> str:
+    """A loaded model's KV cell types, K/V ("-": not a chat model, or an older server)."""
+    if not isinstance(cache, dict):
+        return "-"
+    return f"{cache.get('type_k', '?')}/{cache.get('type_v', '?')}"
 
 
 class _ProgressBar:

@@ -87,6 +87,12 @@ class GGUFFacts:
     file_type: int | None = None  # general.file_type
     # K and V values one token adds to the KV cache over all layers (None: not stated).
     kv_values_per_token: int | None = None
+    # The same split into K and V (layers x KV heads x head size each), and the head sizes
+    # (llama.cpp's n_embd_head_k / n_embd_head_v; 0: not stated).
+    k_values_per_token: int = 0
+    v_values_per_token: int = 0
+    head_k: int = 0
+    head_v: int = 0
     pooling_type: int | None = None  # {arch}.pooling_type: 1 mean, 2 cls, 3 last, 4 rank
     causal: bool | None = None  # {arch}.attention.causal (False: BERT-like encoders)
 
@@ -165,14 +171,15 @@ class _Header:
             tensor_count=n_tensors,
             expected_size=expected_size,
             file_type=_int_or(meta.get("general.file_type"), None),
-            kv_values_per_token=self._kv_values(arch),
+            **self._kv_shape(arch),
             pooling_type=_int_or(meta.get(f"{arch}.pooling_type"), None),
             causal=_bool_or_none(meta.get(f"{arch}.attention.causal")),
         )
 
-    def _kv_values(self, arch: str) -> int | None:
-        """layers x KV heads x (key + value length), from the attention shape. A per-layer
-        array (some models vary heads by layer) is skipped, so the head count stands in."""
+    def _kv_shape(self, arch: str) -> dict[str, Any]:
+        """layers x KV heads x (key + value length), from the attention shape, in all and
+        for K and V apart, and the head sizes. A per-layer array (some models vary heads by
+        layer) is skipped, so the head count stands in."""
         meta = self.meta
 
         def get(key: str) -> int | None:
@@ -182,11 +189,17 @@ class _Header:
         layers, embd = get("block_count"), get("embedding_length")
         heads = get("attention.head_count")
         if not (layers and embd and heads):
-            return None
+            return {}
         kv_heads = get("attention.head_count_kv") or heads
         k_len = get("attention.key_length") or embd // heads
         v_len = get("attention.value_length") or embd // heads
-        return layers * kv_heads * (k_len + v_len)
+        return {
+            "kv_values_per_token": layers * kv_heads * (k_len + v_len),
+            "k_values_per_token": layers * kv_heads * k_len,
+            "v_values_per_token": layers * kv_heads * v_len,
+            "head_k": k_len,
+            "head_v": v_len,
+        }
 
     def _tensor_end(self) -> int | None:
         self._string()  # name

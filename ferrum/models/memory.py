@@ -1,8 +1,8 @@
 """What a model costs in memory before it is loaded, and how much the server may spend.
 
 A model's cost is its weights (the GGUF files' size: llama.cpp maps them whole) plus its KV
-cache at the configured context size, computed from the GGUF's attention shape at 16-bit
-cells (llama.cpp's default KV type), an upper bound for sliding-window models. Compute
+cache at the configured context size, computed from the GGUF's attention shape at the
+configured K and V cell types (`ferrum.kv_types`), an upper bound for sliding-window models. Compute
 buffers are left out: they are small next to both at these model sizes.
 """
 
@@ -13,14 +13,13 @@ import os
 import subprocess
 from pathlib import Path
 
+from ferrum.kv_types import kv_bytes_per_cell
 from ferrum.models.errors import InvalidModelFile
-from ferrum.models.gguf_file import read_gguf
+from ferrum.models.gguf_file import GGUFFacts, read_gguf
 from ferrum.models.reference import split_shards
 from ferrum.models.units import parse_size
 
 log = logging.getLogger("ferrum.models")
-
-_KV_CELL_BYTES = 2  # f16
 
 
 def model_files(path: str) -> list[Path]:
@@ -30,19 +29,25 @@ def model_files(path: str) -> list[Path]:
     return [first.with_name(n) for n in shards] if shards else [first]
 
 
-def kv_bytes_per_token(path: str) -> int:
-    """K and V bytes one token takes in every layer (0 when the GGUF does not say). For a
-    sliding-window model this is an upper bound: its window layers keep fewer cells."""
+def kv_bytes_per_token(path: str, type_k: str = "f16", type_v: str = "f16") -> int:
+    """K and V bytes one token takes in every layer at these cell types (0 when the GGUF does
+    not say). For a sliding-window model this is an upper bound: its window layers keep
+    fewer cells."""
     try:
-        values = read_gguf(path).kv_values_per_token
+        facts = read_gguf(path)
     except InvalidModelFile:
         return 0
-    return (values or 0) * _KV_CELL_BYTES
+    return facts_kv_bytes(facts, type_k, type_v)
 
 
-def estimate_bytes(path: str, ctx_size: int) -> int:
+def facts_kv_bytes(facts: GGUFFacts, type_k: str, type_v: str) -> int:
+    """`kv_bytes_per_token` of a header already read."""
+    return kv_bytes_per_cell(facts.k_values_per_token, facts.v_values_per_token, type_k, type_v)
+
+
+def estimate_bytes(path: str, ctx_size: int, type_k: str = "f16", type_v: str = "f16") -> int:
     weights = sum(f.stat().st_size for f in model_files(path) if f.is_file())
-    return weights + ctx_size * kv_bytes_per_token(path)
+    return weights + ctx_size * kv_bytes_per_token(path, type_k, type_v)
 
 
 def memory_budget(spec: str, gpu: bool) -> int:

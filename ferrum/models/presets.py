@@ -1,8 +1,9 @@
 """Per-model settings from a TOML presets file (`--presets`); flags give the defaults.
 
     [models."smollm2-135m-instruct"]
-    ctx_size = 4096            # engine settings: ctx_size, parallel, batch_size
-    parallel = 4
+    ctx_size = 4096            # engine settings: ctx_size, parallel, batch_size,
+    parallel = 4               #   cache_type_k, cache_type_v, flash_attn
+    cache_type_k = "q8_0"
     chat_template = "chatml"   # a built-in template name or a Jinja file
     aliases = ["smol", "gpt-4o-mini"]
     system = "You are a terse assistant."   # used when a chat has no system message
@@ -24,9 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferrum.kv_types import FLASH_ATTN, cell_type
 from ferrum.models.units import parse_duration
 
-_ENGINE_KEYS = {"ctx_size": int, "parallel": int, "batch_size": int}
+_ENGINE_KEYS: dict[str, type] = {
+    "ctx_size": int,
+    "parallel": int,
+    "batch_size": int,
+    "cache_type_k": str,
+    "cache_type_v": str,
+    "flash_attn": str,
+}
 _SAMPLING_KEYS = {
     "temperature": float,
     "top_p": float,
@@ -44,7 +53,7 @@ _KEYS = {"path", "chat_template", "aliases", "system", "keep_alive", "sampling",
 @dataclass(frozen=True)
 class Preset:
     path: str = ""
-    engine: dict[str, int] = field(default_factory=dict)
+    engine: dict[str, int | str] = field(default_factory=dict)
     chat_template: str = ""
     aliases: tuple[str, ...] = ()
     system: str = ""
@@ -91,6 +100,7 @@ def _preset(file: str, name: str, table: Any) -> Preset:
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     engine = {k: _typed(where, k, table[k], tp) for k, tp in _ENGINE_KEYS.items() if k in table}
+    _check_kv_keys(where, engine)
     sampling = table.get("sampling", {})
     if not isinstance(sampling, dict):
         raise ValueError(f"{where}: sampling must be a table")
@@ -123,6 +133,18 @@ def _preset(file: str, name: str, table: Any) -> Preset:
     )
 
 
+def _check_kv_keys(where: str, engine: dict[str, int | str]) -> None:
+    """A KV type or flash-attention value that no context accepts, refused with the file."""
+    try:
+        for key in ("cache_type_k", "cache_type_v"):
+            if key in engine:
+                cell_type(str(engine[key]), key)
+        if engine.get("flash_attn", "auto") not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
 def _text(where: str, table: dict[str, Any], key: str) -> str:
     value = table.get(key, "")
     if not isinstance(value, str):
@@ -133,5 +155,6 @@ def _text(where: str, table: dict[str, Any], key: str) -> str:
 def _typed(where: str, key: str, value: Any, tp: type) -> Any:
     ok = isinstance(value, tp) or (tp is float and isinstance(value, int))
     if not ok or isinstance(value, bool):
-        raise ValueError(f"{where}: {key} must be {'a number' if tp is float else 'an integer'}")
+        kind = {float: "a number", int: "an integer", str: "a string"}[tp]
+        raise ValueError(f"{where}: {key} must be {kind}")
     return tp(value)

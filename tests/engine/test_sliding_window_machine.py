@@ -36,9 +36,9 @@ class _Oracle:
     """Greedy tokens of a prompt decoded alone, on a runner without prefix reuse (cached),
     with the top log-probabilities at each step."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, **kv: str):
         cfg = EngineConfig(
-            ctx_size=CTX, parallel=1, batch_size=BATCH, threads=2, no_prefix_cache=True
+            ctx_size=CTX, parallel=1, batch_size=BATCH, threads=2, no_prefix_cache=True, **kv
         )
         self.engine = LLMEngine(LlamaRunner(cfg, path), block_size=BLOCK, prefix_cache=False)
         self.known: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}
@@ -75,9 +75,10 @@ class SlidingWindowMachine(EngineMachine):
     bos = BOS_ID
     path: str = ""
     oracle: _Oracle | None = None
+    kv: dict[str, str] = {}  # KV cache types and flash attention (a variant's)
 
     def make_engine(self):
-        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2)
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path)
         return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
 

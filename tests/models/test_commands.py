@@ -141,7 +141,8 @@ def test_ps_shows_what_a_server_has_loaded(capsys: pytest.CaptureFixture[str]) -
     soon = datetime.fromtimestamp(time.time() + 301, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f123Z")
     models = [
         {"name": "smollm2-135m-instruct", "model": "smollm2-135m-instruct", "size": 270_000_000,
-         "size_vram": 0, "expires_at": soon, "details": {"format": "gguf"}},
+         "size_vram": 0, "expires_at": soon, "details": {"format": "gguf"},
+         "kv_cache": {"type_k": "q8_0", "type_v": "q4_0", "flash_attn": "on"}},
         {"name": "org/repo:Q8_0", "model": "org/repo:Q8_0", "size": 1_500_000_000,
          "size_vram": 0, "expires_at": "2318-01-01T00:00:00Z", "details": {}},
         {"name": "busy", "model": "busy", "size": 512, "expires_at": None, "details": {}},
@@ -157,10 +158,10 @@ def test_ps_shows_what_a_server_has_loaded(capsys: pytest.CaptureFixture[str]) -
         server.server_close()
     assert code == 0
     assert [line.split() for line in out.splitlines()] == [
-        ["NAME", "SIZE", "UNTIL"],
-        ["smollm2-135m-instruct", "270", "MB", "in", "5", "minutes"],
-        ["org/repo:Q8_0", "1.5", "GB", "forever"],
-        ["busy", "512", "B", "-"],
+        ["NAME", "SIZE", "KV", "UNTIL"],
+        ["smollm2-135m-instruct", "270", "MB", "q8_0/q4_0", "in", "5", "minutes"],
+        ["org/repo:Q8_0", "1.5", "GB", "-", "forever"],
+        ["busy", "512", "B", "-", "-"],
     ]
     code, out, err = _run(capsys, "ps", "--url", "http://127.0.0.1:9")
     assert (code, out) == (2, "") and err.startswith("ferrum: error: cannot reach the server")

@@ -36,7 +36,7 @@ def test_the_documented_example_parses_as_documented(tmp_path: Path) -> None:
     loaded = load_presets(_write(tmp_path, example))
     assert loaded == {
         "smollm2-135m-instruct": Preset(
-            engine={"ctx_size": 4096, "parallel": 4},
+            engine={"ctx_size": 4096, "parallel": 4, "cache_type_k": "q8_0"},
             chat_template="chatml",
             aliases=("smol", "gpt-4o-mini"),
             system="You are a terse assistant.",

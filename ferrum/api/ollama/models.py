@@ -160,9 +160,11 @@ def _named(state: ServerState, name: str) -> ModelSpec:
 def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
     template = ""
     embeds = False
+    kv_cache: dict[str, Any] = {}
     for m in state.models.loaded():
         if m.spec.name == f.name and isinstance(m.model, ServedModel):
             template = m.model.formatter.template_text
+            kv_cache = _kv_cache(m.model)
         embeds = embeds or (m.spec.name == f.name and not isinstance(m.model, ServedModel))
     model_info: dict[str, Any] = {"general.architecture": f.family}
     if f.family and f.context_length:
@@ -178,7 +180,7 @@ def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
         "model_info": model_info,
         "capabilities": capabilities,
         "modified_at": rfc3339(f.modified),
-    }
+    } | ({"kv_cache": kv_cache} if kv_cache else {})
 
 
 def add_model_routes(route: Route, state: ServerState) -> None:
@@ -210,6 +212,7 @@ def add_model_routes(route: Route, state: ServerState) -> None:
                 "expires_at": rfc3339(min(m.expires_at or forever, forever)),
                 "context_length": _context(m.model),
             }
+            | ({"kv_cache": _kv_cache(m.model)} if isinstance(m.model, ServedModel) else {})
             for m, f in zip(loaded, facts, strict=True)
         ]
         return JSONResponse({"models": models})
@@ -388,6 +391,18 @@ async def _last_line(lines: asyncio.Queue[dict[str, Any] | None]) -> dict[str, A
     while (line := await lines.get()) is not None:
         last = line
     return last
+
+
+def _kv_cache(model: ServedModel) -> dict[str, Any]:
+    """What a loaded model's KV cache is made of (ferrum's own field, beside Ollama's)."""
+    info = model.info
+    return {
+        "type_k": info.cache_type_k,
+        "type_v": info.cache_type_v,
+        "flash_attn": info.flash_attn,
+        "bytes_per_token": info.kv_bytes_per_cell,
+        "bytes": info.kv_bytes_per_cell * info.n_ctx,
+    }
 
 
 def _context(model: Loaded) -> int:

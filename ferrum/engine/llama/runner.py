@@ -34,6 +34,7 @@ from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ModelLoadError
+from ferrum.kv_types import cell_type, check_kv_settings, flash_attn_resolved
 
 log = logging.getLogger("ferrum.llama")
 
@@ -58,8 +59,24 @@ def route_llama_logs() -> None:
     ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
+_FLASH_ATTN = {
+    "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
+}
+
+
 class LlamaRunner:
-    def __init__(self, config: EngineConfig, model_path: str, lora_paths: Sequence[str] = ()):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        lora_paths: Sequence[str] = (),
+        kv_bytes_per_cell: int = 0,
+    ):
+        """`lora_paths`: the LoRA adapters requests may pick (`adapters.py`);
+        `kv_bytes_per_cell`: what one KV cell costs at the configured types (the composition
+        root computes it from the GGUF header with `ferrum.kv_types`), reported in `info`."""
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
         route_llama_logs()
@@ -86,7 +103,7 @@ class LlamaRunner:
         self._faults = random.Random(0)  # the same faults in the same traffic
         if self._fault_rate > 0:
             log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
-        self._info = self._describe(model_path, config.resolved_threads())
+        self._info = self._describe(model_path, config, kv_bytes_per_cell)
 
     @property
     def info(self) -> ModelInfo:
@@ -99,7 +116,14 @@ class LlamaRunner:
 
     def _init_context(self, config: EngineConfig) -> None:
         threads = config.resolved_threads()
+        try:  # refused here with the flag's name, not as a null context below
+            check_kv_settings(config.cache_type_k, config.cache_type_v, config.flash_attn)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
         cparams = ll.llama_context_default_params()
+        cparams.type_k = cell_type(config.cache_type_k).ggml_type
+        cparams.type_v = cell_type(config.cache_type_v).ggml_type
+        cparams.flash_attn_type = _FLASH_ATTN[config.flash_attn]
         cparams.n_ctx = config.ctx_size
         cparams.n_batch = config.batch_size
         # n_ubatch == n_batch: one llama_decode is one micro-batch, so a failed decode has
@@ -126,7 +150,10 @@ class LlamaRunner:
         cparams.swa_full = True
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
-            raise ModelLoadError("llama.cpp could not create a context (out of memory?)")
+            raise ModelLoadError(
+                "llama.cpp could not create a context (out of memory, or KV cache settings it "
+                "refuses for this model: see its log above)"
+            )
         self._n_batch: int = ll.llama_n_batch(self._ctx)
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
         self._mem = ll.llama_get_memory(self._ctx)
@@ -137,11 +164,13 @@ class LlamaRunner:
         n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
-    def _describe(self, path: str, threads: int) -> ModelInfo:
+    def _describe(self, path: str, config: EngineConfig, kv_bytes_per_cell: int) -> ModelInfo:
         desc = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self._model, desc, len(desc))
         template = ll.llama_model_chat_template(self._model, None)
         vocab = self._vocab
+        type_k, type_v = cell_type(config.cache_type_k).name, cell_type(config.cache_type_v).name
+        flash_attn = flash_attn_resolved(type_v, config.flash_attn)
         return ModelInfo(
             path=path,
             architecture=self._meta("general.architecture") or "unknown",
@@ -152,14 +181,23 @@ class LlamaRunner:
             n_seq_max=ll.llama_n_seq_max(self._ctx) - (self._window is not None),
             n_vocab=vocab.n_vocab,
             n_swa=ll.llama_model_n_swa(self._model),
-            threads=threads,
+            threads=config.resolved_threads(),
             is_recurrent=bool(ll.llama_model_is_recurrent(self._model)),
             is_hybrid=bool(ll.llama_model_is_hybrid(self._model)),
             chat_template=template.decode("utf-8", "replace") if template else None,
             bos_text=vocab.token_text(vocab.bos),
             eos_text=vocab.token_text(vocab.eos),
             add_bos=vocab.add_bos,
-            state_format=f"llama-cpp-python {ll.__version__}; kv f16; unified; swa_full",
+            # A state saved under other cell types or V layout (flash attention transposes
+            # V when off) must never be offered to llama.cpp: both are in the fingerprint.
+            state_format=(
+                f"llama-cpp-python {ll.__version__}; kv k={type_k} v={type_v}; "
+                f"flash_attn {flash_attn}; unified; swa_full"
+            ),
+            cache_type_k=type_k,
+            cache_type_v=type_v,
+            flash_attn=flash_attn,
+            kv_bytes_per_cell=kv_bytes_per_cell,
         )
 
     # -- requests -------------------------------------------------------------------------

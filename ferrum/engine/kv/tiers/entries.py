@@ -62,6 +62,9 @@ class TierStats:
     restored_tokens: int = 0
     failures: int = 0  # loads or restores refused: a fresh prefill instead
     write_failures: int = 0  # files that could not be written (a full disk): RAM only
+    # Files deleted when the folder was scanned, never offered to llama.cpp: another model's,
+    # build's or KV settings' (cell types, flash attention), torn or left over from a crash.
+    files_dropped: int = 0
 
     def copy(self) -> TierStats:
         """A copy for observers (published every engine step: two small objects, no deepcopy)."""

@@ -10,10 +10,11 @@ Writing goes to `.<key>.<pid>.tmp` in the same folder, is flushed and fsynced, t
 over the final name: a reader sees the old file, the new one, or none, never half of one.
 Leftover temporary files (a crash mid-write) are removed when the folder is scanned.
 
-A file whose header is unreadable, whose fingerprint is another model's or another llama.cpp
-build's, or whose checksum fails is deleted and never handed to llama.cpp. So is a file of an
-earlier format (`FERRUMKV1`, written before entries had a cache scope): read as scope "" it
-would hand one key's prompt to every request of a shared cache.
+A file whose header is unreadable, whose fingerprint is another model's, another llama.cpp
+build's or other KV cache settings' (cell types, flash attention), or whose checksum fails is
+deleted and never handed to llama.cpp. So is a file of an earlier format (`FERRUMKV1`, written
+before entries had a cache scope): read as scope "" it would hand one key's prompt to every
+request of a shared cache.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def read_header(path: Path, fingerprint: str) -> EntryHeader:
                 raise EntryError("header too long")
             meta = json.loads(f.read(n))
             if meta.get("fingerprint") != fingerprint:
-                raise EntryError("saved by another model or llama.cpp build")
+                raise EntryError("saved by another model, llama.cpp build or KV cache settings")
             scope = meta["scope"]
             if not isinstance(scope, str):
                 raise EntryError("no cache scope")

@@ -214,6 +214,7 @@ class SavedStates:
         kept, dropped = files.scan(folder, self.config.fingerprint)
         for path, why in dropped:
             log.warning("prefix cache: deleted %s (%s)", path.name, why)
+        self.stats.files_dropped += len(dropped)
         kept.sort(key=lambda h: _mtime(h.path))
         for header in kept:
             key = state_key(header.tokens, header.scope)
