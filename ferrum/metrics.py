@@ -36,14 +36,8 @@ _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _APPLY_S = 0.25  # longest a published step waits to reach the series
-_TIER_EVENTS = (
-    "saves",
-    "restores",
-    "restored_tokens",
-    "failures",
-    "write_failures",
-    "files_dropped",
-)
+_TIER_EVENTS = ("saves", "restores", "restored_tokens", "failures", "write_failures",
+                "files_dropped")  # fmt: skip
 
 
 def _tier_snapshot(tiers: TierStats | None) -> dict[str, Any]:
@@ -188,6 +182,9 @@ class Metrics(EngineObserver):
             "'No KV slot' answers faked by --inject-faults (a testing aid)",
             registry=r,
         )
+        self._add_spec_metrics(r)
+
+    def _add_spec_metrics(self, r: CollectorRegistry) -> None:
         self.spec_verifications = Counter(
             "ferrum_spec_verifications",
             "Decodes of a sequence that carried guessed tokens (n-gram speculation)",
@@ -202,7 +199,6 @@ class Metrics(EngineObserver):
             "verification: (this + verifications) over verifications)",
             registry=r,
         )
-
         self.masks = Counter(
             "ferrum_structured_masks",
             "Token masks computed for structured output (a pick the grammar refused, or "
