@@ -45,7 +45,7 @@ def body(kind: str, tokens: int, tag: int, stream: bool) -> dict[str, Any]:
     if kind not in KINDS:
         raise ValueError(f"unknown request kind {kind!r}; the arms are {', '.join(KINDS)}")
     out: dict[str, Any] = {
-        "model": "m",
+        "model": "",  # the server's default model (an unknown name is a 404)
         "messages": [{"role": "user", "content": f"({tag}) List many animals as JSON."}],
         "max_tokens": tokens,
         "temperature": 0,
