@@ -1,4 +1,5 @@
-"""A real server under hang-ups, SIGTERM and a short soak (the long soak: scripts/soak.py)."""
+"""A real server under hang-ups, SIGTERM and a short soak (the long one:
+`ferrum bench --study soak`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
-from scripts import soak
+from ferrum.bench.studies import StudyRun, soak
 
 
 def _idle(url: str) -> dict:
@@ -37,7 +38,7 @@ def test_hanging_up_mid_stream_frees_the_request(server):
                 break  # leaving the block closes the connection
     h = _idle(server)
     assert h["active_requests"] == 0 and h["queue_depth"] == 0
-    assert soak._held_blocks(h) == 0
+    assert soak.held_blocks(h) == 0
 
 
 def test_hanging_up_on_a_whole_request_frees_it(server):
@@ -45,7 +46,7 @@ def test_hanging_up_on_a_whole_request_frees_it(server):
     with contextlib.suppress(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, timeout=0.5)
     h = _idle(server)
-    assert h["active_requests"] == 0 and soak._held_blocks(h) == 0
+    assert h["active_requests"] == 0 and soak.held_blocks(h) == 0
 
 
 def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
@@ -69,8 +70,9 @@ def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
 
 
 @pytest.mark.slow
-def test_short_soak_leaves_the_server_whole():
+def test_short_soak_leaves_the_server_whole(tmp_path):
     # With a few faked "no KV slot" decodes: the split retry must absorb them (0 failures).
-    args = ["--minutes", "0.5", "--workers", "4", "--max-rss-growth", "0.2"]
-    report_code = soak.main([*args, "--max-ttft-drift", "4", "--inject-faults", "0.05"])
-    assert report_code == 0
+    knobs = {"minutes": "0.5", "workers": "4", "max_rss_growth": "0.2", "max_ttft_drift": "4",
+             "inject_faults": "0.05"}  # fmt: skip
+    run = StudyRun("soak", tmp_path, 2, 2, False, None, options=knobs, hygiene=None)
+    assert soak.main(run) == 0

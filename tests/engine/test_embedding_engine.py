@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from ferrum.engine.embedding import POOLINGS, EmbeddingEngine, EmbeddingInfo
 from ferrum.engine.llama.embedding_runner import _POOLING_TYPES, EmbeddingRunner
 from ferrum.errors import EngineError, InvalidRequest, ModelLoadError, TooManyRequests
-from tests import embedding_model
 from tests.embedding_model import reference_embeddings, write_minilm_gguf
 from tests.profiles import examples
 
@@ -179,7 +178,7 @@ def test_rank_pooling_gives_the_classifier_outputs(minilm_gguf, tmp_path, tokens
     """BERT's rerank head in llama.cpp: W_out · tanh(W · h_cls + b) + b_out, where h_cls is
     what "cls" pooling returns from the same weights."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(embedding_model.gguf, "GGUFWriter", _RerankerWriter)
+        mp.setattr(gguf, "GGUFWriter", _RerankerWriter)  # the converter writes through it
         path = str(write_minilm_gguf(tmp_path / "reranker.gguf"))
     reranker = EmbeddingRunner(path, threads=1, batch_tokens=512, max_seqs=8)
     cls = EmbeddingRunner(minilm_gguf, threads=1, batch_tokens=512, max_seqs=8, pooling="cls")

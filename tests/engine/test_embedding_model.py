@@ -3,7 +3,7 @@
 Oracles: llama.cpp's token ids == the HF tokenizer's; each pooled embedding == the numpy
 reference (cosine ≥ 0.999); an input embeds the same alone as batched with others; and the
 similarities that sentence-transformers' documentation prints for this model. Together they
-pin the GGUF layout (tests/embedding_model.py) and the context parameters an embeddings path
+pin the GGUF layout (ferrum/bench/minilm.py) and the context parameters an embeddings path
 runs on:
 
     one llama_decode, every input its own sequence, every token flagged for output:

@@ -1,4 +1,5 @@
-"""Soak test: minutes of mixed traffic against a ferrum server, then checks that it is whole.
+"""Soak: minutes of mixed traffic against a ferrum server, then checks that it is whole. No
+comparison of arms: one server, one verdict (`main`).
 
 Traffic (random mix, bounded concurrency): streamed and whole chat completions, completions,
 streams the client hangs up on, prompts longer than the context (must be 400
@@ -6,35 +7,36 @@ context_length_exceeded), and bursts of 8 requests behind one shared prefix. Aft
 server must be idle again: no active or queued request and no KV block held outside parked
 prefixes.
 
-With --inject-faults RATE the server it starts fakes llama.cpp's "no KV slot" for that share of
-decodes of several sequences: the split retry must absorb every one (failures stay 0).
+With `--set inject_faults=RATE` the server it starts fakes llama.cpp's "no KV slot" for that
+share of decodes of several sequences: the split retry must absorb every one (failures stay 0).
 
-Prints a progress line a minute, then requests served, intended rejections, failures (anything
-else, must be 0), cancels, faults injected and decode retries (from /metrics), KV blocks
-before/after, the server's RSS growth after warm-up and the TTFT drift (median of the last fifth
-of streamed requests over the first fifth). Exits 1 when any bound is broken.
+Prints a progress line a minute, then (and into soak.json) requests served, intended
+rejections, failures (anything else, must be 0), cancels, faults injected and decode retries
+(from /metrics), KV blocks before/after, the server's RSS growth after warm-up and the TTFT
+drift (median of the last fifth of streamed requests over the first fifth). Exits 1 when any
+bound is broken.
 
-    .venv/bin/python scripts/soak.py --minutes 10 --inject-faults 0.05   # starts its own server
-    .venv/bin/python scripts/soak.py --url http://127.0.0.1:8080 --pid 1234
+    ferrum bench --study soak --set minutes=10 --set inject_faults=0.05   # starts its server
+    ferrum bench --study soak --set url=http://127.0.0.1:8080 --set pid=1234
+Knobs (--set): minutes (10; --quick 0.5), workers (6), seed (1), max_rss_growth (0.05),
+max_ttft_drift (2.0), inject_faults (0), url and pid (a running server instead of one started).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import httpx
 
-from ferrum.bench.process import ServerProcess, ferrum_command, free_port
+from ferrum.bench.process import ServerProcess
+from ferrum.bench.studies import Study, StudyRun
 
 SHARED = "You are the assistant of a bakery that sells bread, cakes and coffee. " * 12
 
@@ -48,7 +50,14 @@ class Tally:
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (time sent, ttft)
 
 
-def _chat_body(rng: random.Random, stream: bool, prefix: str = "") -> dict:
+@dataclass(frozen=True)
+class Bounds:
+    max_rss_growth: float = 0.05
+    max_ttft_drift: float = 2.0
+    inject_faults: float = 0.0
+
+
+def chat_body(rng: random.Random, stream: bool, prefix: str = "") -> dict[str, Any]:
     q = f"{prefix}Question {rng.getrandbits(24)}: name a {rng.choice(['bread', 'cake', 'drink'])}."
     return {
         "model": "",  # the server's default model
@@ -109,19 +118,19 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, n_ctx: int, t: Tal
         ["stream", "chat", "completion", "cancel", "long", "burst"], weights=[30, 20, 15, 15, 5, 5]
     )[0]
     if kind == "stream":
-        await _stream(client, _chat_body(rng, True, rng.choice(["", SHARED])), t)
+        await _stream(client, chat_body(rng, True, rng.choice(["", SHARED])), t)
     elif kind == "chat":
-        await _whole(client, "/v1/chat/completions", _chat_body(rng, False), t)
+        await _whole(client, "/v1/chat/completions", chat_body(rng, False), t)
     elif kind == "completion":
         body = {"prompt": f"Recipe {rng.getrandbits(20)}:", "max_tokens": rng.randint(4, 32)}
         await _whole(client, "/v1/completions", body, t)
     elif kind == "cancel":
-        await _stream(client, {**_chat_body(rng, True), "max_tokens": 200}, t, hang_up_after=3)
+        await _stream(client, {**chat_body(rng, True), "max_tokens": 200}, t, hang_up_after=3)
     elif kind == "long":
         await _too_long(client, n_ctx, t)
     else:
         prefix = SHARED + f"Batch {rng.getrandbits(16)}. "
-        await asyncio.gather(*(_stream(client, _chat_body(rng, True, prefix), t) for _ in range(8)))
+        await asyncio.gather(*(_stream(client, chat_body(rng, True, prefix), t) for _ in range(8)))
 
 
 async def _worker(base: str, rng: random.Random, end: float, n_ctx: int, t: Tally) -> None:
@@ -151,13 +160,11 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-async def _counters(base: str) -> dict[str, float]:
-    """The server's Prometheus counters by name (e.g. ferrum_faults_injected_total), summed
-    over their labels (every model's, every reason's)."""
-    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
-        text = (await client.get("/metrics")).text
+def counters(metrics_text: str) -> dict[str, float]:
+    """Prometheus counters by name (e.g. ferrum_faults_injected_total), summed over their
+    labels (every model's, every reason's)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in metrics_text.splitlines():
         series, _, value = line.rpartition(" ")
         name = series.partition("{")[0]
         if name.endswith("_total") and not line.startswith("#"):
@@ -169,76 +176,66 @@ async def _progress(t: Tally, start: float, every: float = 60.0) -> None:
     while True:
         await asyncio.sleep(every)
         print(
-            f"[{(time.monotonic() - start) / 60:5.1f} min] served {t.served} "
-            f"cancels {t.cancels} rejected {t.rejected} failures {len(t.failures)}",
+            f"[{(time.monotonic() - start) / 60:5.1f} min] served {t.served} cancels "
+            f"{t.cancels} rejected {t.rejected} failures {len(t.failures)}",
             flush=True,
         )
 
 
-def _held_blocks(h: dict) -> int:
+def held_blocks(health: dict) -> int:
     """KV blocks held by anything but parked prefixes (0 when idle)."""
-    return round(h["kv_cache_usage_ratio"] * h["kv_blocks_total"]) - h["prefix_cache"]["blocks"]
+    held = round(health["kv_cache_usage_ratio"] * health["kv_blocks_total"])
+    return int(held - health["prefix_cache"]["blocks"])
 
 
 def _tier_bytes(health: dict) -> int:
     return int(health["prefix_cache"].get("tiers", {}).get("ram", {}).get("bytes", 0))
 
 
-async def _tier_ram_bytes(base: str) -> int:
-    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-        return _tier_bytes((await c.get("/health")).json())
+def ttft_drift(ttfts: list[tuple[float, float]]) -> float:
+    """Median TTFT of the last fifth of streamed requests (by time sent) over the first's."""
+    ordered = [x for _, x in sorted(ttfts)]
+    if not ordered:
+        return 1.0
+    fifth = max(1, len(ordered) // 5)
+    return statistics.median(ordered[-fifth:]) / statistics.median(ordered[:fifth])
 
 
-def _start_server(inject_faults: float, log_path: Path) -> ServerProcess:
-    port = free_port()
-    flags = ("--threads", "2", "--parallel", "8", "--ctx-size", "4096", "--log-level", "warning")
-    # Gemma 3 270M alone, in a store of its own: a base model's long answers load the engine,
-    # and the machine's own store stays out.
-    models = ("--model", "gemma3-270m", "--models-dir", str(log_path.parent / "ferrum-soak-models"))
-    kv = log_path.parent / "ferrum-soak-kv"  # the disk tier, empty at every start
-    shutil.rmtree(kv, ignore_errors=True)
-    cmd = ferrum_command(port, *flags, *models, "--cache-dir", str(kv), "--inject-faults",
-                         str(inject_faults))  # fmt: skip
-    server = ServerProcess(cmd, log_path, port)
-    server.wait_ready(server.url, "/health", timeout=120)
-    return server
-
-
-async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> dict:
-    async with httpx.AsyncClient(base_url=base, timeout=10) as c:
-        n_ctx = (await c.get("/v1/models")).json()["data"][0]["meta"]["n_ctx"]
-    before = await _idle_health(base)
-    t, rng = Tally(), random.Random(seed)
-    progress = asyncio.create_task(_progress(t, time.monotonic()))
-    warm_end = time.monotonic() + min(30.0, seconds / 5)
-    await asyncio.gather(
-        *(_worker(base, random.Random(rng.random()), warm_end, n_ctx, t) for _ in range(workers))
-    )
-    rss_warm = _rss_kib(pid)
-    tiers_warm = await _tier_ram_bytes(base)
+async def _traffic(base: str, seconds: float, workers: int, rng: random.Random, n_ctx: int,
+                   t: Tally) -> None:  # fmt: skip
     end = time.monotonic() + seconds
     await asyncio.gather(
         *(_worker(base, random.Random(rng.random()), end, n_ctx, t) for _ in range(workers))
     )
-    progress.cancel()
-    after = await _idle_health(base)
-    counters = await _counters(base)
+
+
+async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+        n_ctx = (await c.get("/v1/models")).json()["data"][0]["meta"]["n_ctx"]
+        before = await _idle_health(base)
+        t, rng = Tally(), random.Random(seed)
+        progress = asyncio.create_task(_progress(t, time.monotonic()))
+        await _traffic(base, min(30.0, seconds / 5), workers, rng, n_ctx, t)  # warm-up
+        rss_warm = _rss_kib(pid)
+        tiers_warm = _tier_bytes((await c.get("/health")).json())
+        await _traffic(base, seconds, workers, rng, n_ctx, t)
+        progress.cancel()
+        after = await _idle_health(base)
+        seen = counters((await c.get("/metrics")).text)
     rss_end = _rss_kib(pid)
     tier_growth = (_tier_bytes(after) - tiers_warm) // 1024
-    ttfts = [x for _, x in sorted(t.ttfts)]
-    fifth = max(1, len(ttfts) // 5)
     return {
         "served": t.served,
         "rejected_as_intended": t.rejected,
         "cancels": t.cancels,
         "failures": len(t.failures),
         "failure_samples": t.failures[:5],
-        "faults_injected": int(counters.get("ferrum_faults_injected_total", 0)),
-        "decode_retries": int(counters.get("ferrum_decode_retries_total", 0)),
-        "decode_failures": int(counters.get("ferrum_decode_failures_total", 0)),
-        "preemptions": int(counters.get("ferrum_preemptions_total", 0)),
-        "kv_held_blocks_before": _held_blocks(before),
-        "kv_held_blocks_after": _held_blocks(after),
+        "faults_injected": int(seen.get("ferrum_faults_injected_total", 0)),
+        "decode_retries": int(seen.get("ferrum_decode_retries_total", 0)),
+        "decode_failures": int(seen.get("ferrum_decode_failures_total", 0)),
+        "preemptions": int(seen.get("ferrum_preemptions_total", 0)),
+        "kv_held_blocks_before": held_blocks(before),
+        "kv_held_blocks_after": held_blocks(after),
         "active_after": after["active_requests"],
         "queue_after": after["queue_depth"],
         "rss_warm_kib": rss_warm,
@@ -247,69 +244,67 @@ async def soak(base: str, pid: int, seconds: float, workers: int, seed: int) -> 
         # leak: what it grew by is counted out.
         "tier_ram_growth_kib": tier_growth,
         "rss_growth": (rss_end - tier_growth) / rss_warm - 1 if rss_warm else 0.0,
-        "ttft_drift": statistics.median(ttfts[-fifth:]) / statistics.median(ttfts[:fifth])
-        if ttfts
-        else 1.0,
+        "ttft_drift": ttft_drift(t.ttfts),
         "prefix_cache": after["prefix_cache"],
     }
 
 
-def check(
-    report: dict, max_rss_growth: float, max_ttft_drift: float, inject_faults: float = 0.0
-) -> list[str]:
+def check(report: dict[str, Any], bounds: Bounds) -> list[str]:
+    """The bounds the report breaks, in words (none: the server came through whole)."""
     broken = []
     if report["failures"] or report["decode_failures"]:
         broken.append(f"{report['failures']} failures, {report['decode_failures']} in decode")
-    if inject_faults > 0 and report["faults_injected"] == 0:
-        broken.append("--inject-faults was given but no fault was injected")
+    if bounds.inject_faults > 0 and report["faults_injected"] == 0:
+        broken.append("inject_faults was set but no fault was injected")
     if report["kv_held_blocks_after"] != 0 or report["active_after"] or report["queue_after"]:
         broken.append("the server did not return to idle")
-    if report["rss_growth"] > max_rss_growth:
+    if report["rss_growth"] > bounds.max_rss_growth:
         broken.append(f"RSS grew {report['rss_growth']:.1%}")
-    if report["ttft_drift"] > max_ttft_drift:
+    if report["ttft_drift"] > bounds.max_ttft_drift:
         broken.append(f"TTFT drifted x{report['ttft_drift']:.2f}")
     if report["served"] == 0:
         broken.append("nothing was served")
     return broken
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--url", help="a running server (default: start one)")
-    p.add_argument("--pid", type=int, help="the running server's pid, for RSS")
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--workers", type=int, default=6)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--max-rss-growth", type=float, default=0.05)
-    p.add_argument("--max-ttft-drift", type=float, default=2.0)
-    p.add_argument(
-        "--inject-faults",
-        type=float,
-        default=0.0,
-        metavar="RATE",
-        help="the started server fakes 'no KV slot' for this share of shared decodes",
-    )
-    args = p.parse_args(argv)
-    server = None
-    if args.url is None:
-        log_path = Path(tempfile.gettempdir()) / "ferrum-soak.log"
-        server = _start_server(args.inject_faults, log_path)
-        args.url, args.pid = server.url, server.pid
-    if args.pid is None:
-        raise SystemExit("--pid is needed with --url")
-    if args.url and server is None and args.inject_faults:
-        raise SystemExit("--inject-faults applies to a server this script starts, not to --url")
+def _start_server(run: StudyRun, inject_faults: float) -> ServerProcess:
+    kv = run.out / "kv"  # the disk tier, empty at every start
+    shutil.rmtree(kv, ignore_errors=True)
+    # Gemma 3 270M alone, in a store of its own: a base model's long answers load the engine,
+    # and the machine's own store stays out.
+    return run.ferrum(
+        "ferrum", "--parallel", "8", "--ctx-size", "4096", "--log-level", "warning",
+        "--model", run.model or "gemma3-270m", "--models-dir", str(run.out / "models"),
+        "--cache-dir", str(kv), "--inject-faults", str(inject_faults),
+    )  # fmt: skip
+
+
+def main(run: StudyRun) -> int:
+    bounds = Bounds(run.option("max_rss_growth", 0.05), run.option("max_ttft_drift", 2.0),
+                    run.option("inject_faults", 0.0))  # fmt: skip
+    url, pid = run.option("url", ""), run.option("pid", 0)
+    if url and bounds.inject_faults:
+        raise ValueError("inject_faults applies to a server the soak starts, not to url")
+    if url and not pid:
+        raise ValueError("--set url=... needs --set pid=... (the server's, for its RSS)")
+    run.out.mkdir(parents=True, exist_ok=True)
+    server = None if url else _start_server(run, bounds.inject_faults)
+    if server is not None:
+        url, pid = server.url, server.pid
+    seconds = 60 * run.option("minutes", 0.5 if run.quick else 10.0)
     try:
-        report = asyncio.run(soak(args.url, args.pid, args.minutes * 60, args.workers, args.seed))
+        report = asyncio.run(
+            soak(url, pid, seconds, run.option("workers", 6), run.option("seed", 1))
+        )
     finally:
         if server is not None:
             server.stop()
-    broken = check(report, args.max_rss_growth, args.max_ttft_drift, args.inject_faults)
-    print(json.dumps({**report, "broken": broken}, indent=1))
-    return 1 if broken else 0
+    report["broken"] = check(report, bounds)
+    text = json.dumps(report, indent=1)
+    (run.out / "soak.json").write_text(text)
+    print(text)
+    return 1 if report["broken"] else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+STUDY = Study(name="soak", title="Minutes of mixed traffic: does the server come back whole?",
+              main=main)  # fmt: skip
