@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from ferrum.api.auth import caller_of
+from ferrum.api.auth import Caller, caller_of
 from ferrum.api.loaded import ServedModel
 from ferrum.api.openai.routes import route
 from ferrum.api.serving import ServerState
@@ -50,12 +50,12 @@ async def _view(model: ServedModel) -> EngineView | None:
         return None
 
 
-def _slot_json(i: int, model: str, view: EngineView, slot: SlotView | None, shown: bool) -> Any:
+def _slot_json(i: int, model: str, view: EngineView, slot: SlotView | None) -> Any:
     busy = slot is not None and slot.state != "waiting"
     decoded = slot.output_tokens if slot else 0
     return {
         "id": i,
-        "id_task": slot.request_id if slot and shown else None,
+        "id_task": slot.request_id if slot else None,
         "model": model,
         "n_ctx": view.n_ctx,
         "speculative": view.speculative,
@@ -102,24 +102,47 @@ def _props_json(state: ServerState, model: ServedModel, view: EngineView | None)
     }
 
 
+async def _entries(state: ServerState, model: str | None) -> list[tuple[str, Any]]:
+    """(tenant, entry) of every slot of the models asked for, ids shown: running and
+    waiting requests, then the idle slots up to --parallel."""
+    out: list[tuple[str, Any]] = []
+    for served in _served(state, model):
+        view = await _view(served)
+        if view is None:
+            continue
+        held: list[SlotView | None] = list(view.slots)
+        idle = max(0, view.max_running - sum(s.state != "waiting" for s in view.slots))
+        held += [None] * idle
+        for i, slot in enumerate(held):
+            out.append((slot.tenant if slot else "", _slot_json(i, served.name, view, slot)))
+    return out
+
+
+def visible(entries: list[tuple[str, Any]], caller: Caller, keys_required: bool) -> list[Any]:
+    """The entries as `caller` may see them: another key's request id hidden."""
+    everyone = not keys_required or caller.admin
+    return [
+        e if everyone or (tenant and tenant == caller.tenant) else {**e, "id_task": None}
+        for tenant, e in entries
+    ]
+
+
+async def board_views(state: ServerState) -> dict[str, Any]:
+    """What a cluster replica posts for the ingress's /props and /slots (`cluster.gather`):
+    every loaded chat model's props, and every slot with its tenant (the ingress applies
+    `visible` per caller; tenants never leave it)."""
+    props = {}
+    for served in _served(state, None):
+        props[served.name] = {**_props_json(state, served, await _view(served)), "loaded": True}
+    return {"default": state.models.default, "props": props, "slots": await _entries(state, None)}
+
+
 def add_slots_routes(app: FastAPI, state: ServerState) -> None:
     # `route` documents the error shapes these answer (the API fuzzer checks the schema).
     @route(app, "GET", "/slots")
     async def slots(request: Request, model: str | None = None) -> list[Any]:
-        caller = caller_of(request)
-        everyone = not state.keys.required or caller.admin
-        out: list[Any] = []
-        for served in _served(state, model):
-            view = await _view(served)
-            if view is None:
-                continue
-            held: list[SlotView | None] = list(view.slots)
-            idle = max(0, view.max_running - sum(s.state != "waiting" for s in view.slots))
-            held += [None] * idle
-            for i, slot in enumerate(held):
-                shown = everyone or (slot is not None and slot.tenant == caller.tenant)
-                out.append(_slot_json(i, served.name, view, slot, shown))
-        return out
+        entries = await _entries(state, model)
+        return visible(entries, caller_of(request), state.keys.required)
 
     @route(app, "GET", "/props")
     async def props(model: str | None = None) -> Any:

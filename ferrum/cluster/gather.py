@@ -1,33 +1,28 @@
-"""The dashboard's data behind `ferrum cluster`: `/props` and `/slots` asked of every replica
-and merged into one answer, each entry marked with the `replica` that gave it.
+"""The dashboard's data behind `ferrum cluster`: `/props` and `/slots` of every replica,
+merged into one answer, each entry marked with the `replica` that holds it.
 
-Each replica answers the caller's own request (its key, its query), so the rules of
-`ferrum serve` hold unchanged: /slots needs a key and shows a request's id only to its own
-key, never text (`ferrum.api.slots`); the merge adds a replica's name and nothing else.
+Each replica posts, every stats period and beside its /metrics, what its own /props and
+/slots would say (`ferrum.api.slots.board_views`): every loaded chat model's props, and every
+slot with the tenant (key digest) that owns it. The ingress answers from those posts and
+applies `ferrum serve`'s rule per caller (`ferrum.api.slots.visible`): a request's id only to
+its own key (or an admin key, or on a server without keys), never text. Tenants never leave
+the ingress. The posts are as old as one stats period at most.
 
     /slots  every replica's entries, one list, in the replicas' order
     /props  llama-server's object (the first replica's, with the cluster's slots and KV
             blocks added up) and `replicas`: each replica's own answer
 
-Pure functions over the answers, so that they can be tested without Ray.
+Pure functions over the posts, so that they can be tested without Ray.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 _SUMMED_KV = ("blocks_total", "blocks_free", "blocks_parked")
 
-
-@dataclass(frozen=True)
-class Answer:
-    """One replica's answer to a gathered route."""
-
-    replica: str  # the short name the /metrics `replica` label uses
-    status: int
-    body: bytes
+Views = Mapping[str, Any]  # one replica's post: {"default", "props": {model: …}, "slots"}
 
 
 def short_id(replica_id: str) -> str:
@@ -35,40 +30,26 @@ def short_id(replica_id: str) -> str:
     return replica_id.rsplit("#", 1)[-1]
 
 
-def merge(path: str, answers: list[Answer]) -> tuple[int, Any] | None:
-    """The cluster's answer (status, JSON body) to a gathered route; None when no replica
-    gave one (the caller answers 503). A refusal (a 4xx: no key, an unknown model) is the
-    same from every replica, which share their settings: the first is passed on whole."""
-    seen: set[str] = set()
-    ok: list[tuple[str, Any]] = []
-    refused: tuple[int, Any] | None = None
-    for a in answers:
-        if a.replica in seen:  # a pin to a replica gone was routed to one already asked
-            continue
-        seen.add(a.replica)
-        try:
-            body = json.loads(a.body)
-        except ValueError:
-            continue  # a replica cut short: left out, as one that did not answer
-        if a.status == 200:
-            ok.append((a.replica, body))
-        elif 400 <= a.status < 500 and refused is None:
-            refused = (a.status, body)
-    if not ok:
-        return refused
-    if path == "/slots":
-        return 200, merge_slots(ok)
-    return 200, merge_props(ok)
+def slot_entries(posts: Mapping[str, Views], model: str | None) -> list[tuple[str, Any]]:
+    """(tenant, entry) of every replica's slots (of `model`, or all), each entry marked with
+    its replica's short name; the caller's rule is applied after (`api.slots.visible`)."""
+    out = []
+    for replica, views in posts.items():
+        for tenant, entry in views.get("slots", ()):
+            if isinstance(entry, dict) and (model is None or entry.get("model") == model):
+                out.append((str(tenant), {**entry, "replica": short_id(replica)}))
+    return out
 
 
-def merge_slots(answers: list[tuple[str, Any]]) -> list[Any]:
-    return [
-        {**entry, "replica": replica}
-        for replica, entries in answers
-        if isinstance(entries, list)
-        for entry in entries
-        if isinstance(entry, dict)
-    ]
+def props_answers(posts: Mapping[str, Views], model: str | None) -> list[tuple[str, Any]]:
+    """(replica, props) of the replicas that hold `model` (None: each one's default)."""
+    out = []
+    for replica, views in posts.items():
+        name = model if model is not None else views.get("default")
+        props = views.get("props", {}).get(name)
+        if isinstance(props, dict):
+            out.append((short_id(replica), props))
+    return out
 
 
 def merge_props(answers: list[tuple[str, Any]]) -> dict[str, Any]:

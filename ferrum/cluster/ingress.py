@@ -4,9 +4,9 @@ Every request is relayed whole to one replica (`FerrumReplica.handle`) through a
 handle whose router (`routers.py`) picks the replica from the request's `RouteKey`; the
 answer streams back as the replica's app sends it. `/metrics` and `/health` are the
 cluster's own: every replica's figures (from the board) with a `replica` label, and the
-cluster's status; the browser pages are served here (`ferrum.web`), while replicas start too.
-(`gather.py` merges every replica's /props and /slots; not wired yet: a request pinned to
-each replica through the handle waited in Ray's routing until cancelled, see its tests.)
+cluster's status; so are `/props` and `/slots`, every replica's merged from what each posted
+(`gather.py`, with `ferrum serve`'s rule for whose request ids a key sees); the browser pages
+are served here (`ferrum.web`), while replicas start too.
 
 Faults: a replica that fails before answering is tried once more on another (nothing was
 generated yet); one that fails mid-answer ends the stream with an error in the route's own
@@ -35,9 +35,10 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ferrum.api.app import MAX_BODY_BYTES, check_gate
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
 from ferrum.api.dialects import dialect_for, error_response, translation
+from ferrum.api.slots import visible
 from ferrum.api.transport import read_body
-from ferrum.cluster.board import Board, board_name
-from ferrum.cluster.gather import short_id
+from ferrum.cluster.board import Board, Post, board_name
+from ferrum.cluster.gather import merge_props, props_answers, short_id, slot_entries
 from ferrum.cluster.keys import (
     PromptKeys,
     key_registry,
@@ -98,12 +99,12 @@ class Relay:
             name=board_name(self.settings.cluster.app_name), get_if_exists=True
         ).remote()
 
-    async def _posts(self) -> dict[str, tuple[str, str]]:
+    async def _posts(self) -> dict[str, Post]:
         """What the replicas posted. A board gone with the ingress that made it (a redeploy)
         is made again; replicas post to it within a stats period."""
         max_age = 3 * self.settings.cluster.stats_period + 2.0
         try:
-            posts: dict[str, tuple[str, str]] = await self.board.read.remote(max_age)
+            posts: dict[str, Post] = await self.board.read.remote(max_age)
         except RayActorError:
             self.board = self._board()
             posts = await self.board.read.remote(max_age)
@@ -115,7 +116,7 @@ class Relay:
         except FerrumError as exc:
             return _error(request.url.path, exc)
         posts = await self._posts()
-        text = merge_replica_metrics({short_id(r): m for r, (m, _) in posts.items()})
+        text = merge_replica_metrics({short_id(r): p[0] for r, p in posts.items()})
         return Response(text, media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> JSONResponse:
@@ -124,12 +125,31 @@ class Relay:
         except FerrumError as exc:  # this app has no error handlers: a raise would be a 500
             return _error(request.url.path, exc)
         posts = await self._posts()
-        replicas = {short_id(r): json.loads(h) for r, (_, h) in posts.items()}
+        replicas = {short_id(r): json.loads(p[1]) for r, p in posts.items()}
         ok = bool(replicas) and all(h.get("status") == "ok" for h in replicas.values())
         body: dict[str, Any] = {"status": "ok" if ok else "error"}
         if not self.gate_keys.required or caller_of(request).tenant:
             body["replicas"] = replicas  # which models run where: for a key only
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def props_or_slots(self, request: Request) -> Response:
+        """The dashboard's /props and /slots over every replica (from their posts); a model
+        no replica holds is relayed, for the replica's own answer (loaded: false, a 404)."""
+        path = request.url.path
+        try:
+            check_gate(self.gate_keys, self.settings.server.public_metrics, request)
+        except FerrumError as exc:
+            return _error(path, exc)
+        model = request.query_params.get("model")
+        views = {r: p[2] for r, p in (await self._posts()).items()}
+        if path == "/slots":
+            entries = slot_entries(views, model)
+            if entries or model is None:
+                caller, required = caller_of(request), self.gate_keys.required
+                return JSONResponse(visible(entries, caller, required))
+        elif answers := props_answers(views, model):
+            return JSONResponse(merge_props(answers))
+        return await self.relay(request)
 
     def page(self, request: Request) -> Response | None:
         """A browser page or its file, from the ingress itself (it shows every replica, and
@@ -286,6 +306,14 @@ class FerrumIngress:
     @http.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         return await self.relay.health(request)
+
+    @http.get("/props")
+    async def props(self, request: Request) -> Response:
+        return await self.relay.props_or_slots(request)
+
+    @http.get("/slots")
+    async def slots(self, request: Request) -> Response:
+        return await self.relay.props_or_slots(request)
 
     @http.get("/")
     async def chat_page(self, request: Request) -> Response:

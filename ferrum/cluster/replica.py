@@ -33,6 +33,7 @@ from ray import serve
 
 from ferrum.api.loaded import ServedModel
 from ferrum.api.serving import ServerState
+from ferrum.api.slots import board_views
 from ferrum.cluster.board import board_name
 from ferrum.cluster.policy import RouteKey, encode_hashes
 from ferrum.cluster.routers import PREFIX_KEY
@@ -102,14 +103,17 @@ class FerrumReplica:
         return {PREFIX_KEY: prefixes}
 
     async def _post_to_board(self) -> None:
-        """This replica's /metrics and /health, left where the ingress reads them."""
+        """This replica's /metrics, /health and dashboard views, left where the ingress
+        reads them."""
         try:
             metrics = await self._get("/metrics")
             health = await self._get("/health")
+            views = await board_views(self.state)
             if self._board is None:
                 self._board = ray.get_actor(board_name(self.settings.cluster.app_name))
-            # Its full id: the ingress pins its gathered requests to it (`gather.py`).
-            await self._board.put.remote(self.replica_id, metrics.decode(), health.decode())
+            await self._board.put.remote(
+                self.replica_id, metrics.decode(), health.decode(), views
+            )
         except Exception as exc:  # the board is for display; routing goes on without it
             self._board = None
             log.warning("could not post to the cluster board: %s", exc)

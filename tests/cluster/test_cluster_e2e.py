@@ -191,7 +191,19 @@ def test_the_dashboard_is_served_by_the_ingress(cluster):
     assert page.status_code == 200 and "/web/dashboard.js" in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.get(url + "/web/dashboard.js", timeout=30).status_code == 200
-    assert httpx.get(url + "/props", params={"model": MODEL}, timeout=30).status_code == 200
+    # /props and /slots: every replica's, merged from what each posted to the board.
+    health = wait_for_replicas(url, 2)
+    deadline = time.monotonic() + 30
+    while True:
+        props = httpx.get(url + "/props", params={"model": MODEL}, timeout=30).json()
+        if len(props.get("replicas", ())) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {p["replica"] for p in props["replicas"]} == set(health["replicas"])
+    assert props["total_slots"] == sum(p["total_slots"] for p in props["replicas"])
+    slots = httpx.get(url + "/slots", timeout=30).json()
+    assert {s["replica"] for s in slots} == set(health["replicas"])
+    assert all(s["prompt"] == "" for s in slots)
 
 
 def _stream_until_error(url: str) -> tuple[list[str], dict[str, str]]:
