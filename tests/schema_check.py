@@ -68,3 +68,21 @@ def ollama_answer(path: str, status: int, content_type: str, body: bytes) -> Non
             conforms("ollama-api", "ErrorResponse" if "error" in event else line, event)
     elif whole is not None and content_type.startswith("application/json"):
         conforms("ollama-api", whole, json.loads(body))
+
+
+def ollama_typed(path: str, status: int, content_type: str, body: bytes) -> None:
+    """One answer of Ollama's API read by the `ollama` client's own pydantic types in strict
+    mode (no coercion: a number sent as a string, a missing required field fails), each line
+    of a stream too: what a typed client generated from the API reads."""
+    from ollama import _types as types
+
+    kinds = {"/api/chat": types.ChatResponse, "/api/generate": types.GenerateResponse,
+             "/api/tags": types.ListResponse, "/api/show": types.ShowResponse,
+             "/api/ps": types.ProcessResponse, "/api/embed": types.EmbedResponse}  # fmt: skip
+    kind = kinds.get(path)
+    if kind is None or status >= 400:
+        return
+    lines = body.decode().splitlines() if "ndjson" in content_type else [body.decode()]
+    for line in lines:
+        if line.strip() and '"error"' not in line[:10]:
+            kind.model_validate_json(line, strict=True)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.conftest import running_server
 from tests.models.fake_hub import FakeHub
-from tests.schema_check import ollama_answer
+from tests.schema_check import ollama_answer, ollama_typed
 from tests.tiny_models import write_tiny_llama
 
 REPO = "test-org/tiny-llama-GGUF"
@@ -55,10 +55,12 @@ def test_plain_serve_chats_on_smollm2_and_the_answer_ends(tmp_path_factory):
 
 
 def _ollama_conforms(response: httpx.Response) -> None:
-    """Each answer the Ollama client receives, against Ollama's published schema."""
+    """Each answer the Ollama client receives, against Ollama's published schema and read
+    by its own types in strict mode."""
     response.read()  # the client reads the same bytes again
-    ctype = response.headers.get("content-type", "")
-    ollama_answer(response.request.url.path, response.status_code, ctype, response.content)
+    ctype, path = response.headers.get("content-type", ""), response.request.url.path
+    ollama_answer(path, response.status_code, ctype, response.content)
+    ollama_typed(path, response.status_code, ctype, response.content)
 
 
 @pytest.mark.slow

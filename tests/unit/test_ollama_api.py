@@ -24,7 +24,7 @@ from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
 from tests.factories import EOS, FakeRunner, fake_app
-from tests.schema_check import ollama_answer
+from tests.schema_check import ollama_answer, ollama_typed
 from tests.tiny_models import write_tiny_llama
 from tests.unit.test_api_tools import CALL, WEATHER
 
@@ -60,6 +60,7 @@ class _Bridge(httpx.BaseTransport):
         )
         # Every answer the client gets, as Ollama's published schema has it.
         ollama_answer(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
+        ollama_typed(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
         return httpx.Response(r.status_code, headers=r.headers.multi_items(), content=r.content)
 
 
@@ -591,3 +592,20 @@ def test_a_pull_of_a_local_file_is_refused(stored):
     client, _, path = stored
     assert "ferrum pull" in _refused(lambda: client.pull(str(path)))
     assert "ferrum pull" in _refused(lambda: client.pull("/etc/passwd"))
+
+
+def test_the_typed_client_reads_every_answer_strictly_and_refuses_one_off_its_types():
+    """`ollama_typed` (used by the bridge above on every answer) is a real check: a count sent
+    as a string, which the lenient client would coerce, fails in strict mode."""
+    from pydantic import ValidationError
+
+    from tests.schema_check import ollama_typed
+
+    with served() as (client, http):
+        client.chat("fake", HI, options=GREEDY)  # the bridge checked it
+        good = http.post("/api/generate", json={"model": "fake", "prompt": "hi", "stream": False})
+    body = good.json()
+    ollama_typed("/api/generate", 200, "application/json", good.content)
+    body["eval_count"] = str(body["eval_count"])
+    with pytest.raises(ValidationError):
+        ollama_typed("/api/generate", 200, "application/json", json.dumps(body).encode())
