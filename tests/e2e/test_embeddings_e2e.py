@@ -5,6 +5,7 @@ base64), checked against an independent numpy forward pass of the same weights."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from tests.e2e.conftest import running_server
 from tests.embedding_model import reference_embeddings, write_minilm_gguf
+from tests.schemas import checked, validate_embeddings
 
 TEXTS = [
     "A man is eating food.",
@@ -35,8 +37,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+def client(server) -> Iterator[openai.OpenAI]:
+    """The SDK over a transport that checks every answer against OpenAI's published schema."""
+    seen = checked.Checked()
+    yield checked.client(f"{server}/v1", seen)
+    assert seen.answers > 0, "no answer went through the schema checks"
 
 
 def test_embeddings_match_an_independent_reference(client):
@@ -58,6 +63,8 @@ def test_an_inputs_embedding_does_not_depend_on_its_batch(server, client):
             return await asyncio.gather(*(http.post("/v1/embeddings", json=b) for b in bodies))
 
     replies = asyncio.run(crowd())
+    for r in replies:
+        validate_embeddings(r.json())
     crowded = np.array(replies[0].json()["data"][2]["embedding"])
     assert float(alone @ crowded) >= 0.9999
     assert all(r.status_code == 200 for r in replies)

@@ -169,6 +169,31 @@ def validate_completion(obj: Any, *, chunk: bool = False) -> None:
     validate("openai:CreateCompletionResponse", obj)
 
 
+def validate_embeddings(obj: Any) -> None:
+    """An embeddings answer. OpenAI's document types `embedding` as an array of numbers only,
+    while its API (and the SDK, which asks for it) sends base64 for `encoding_format:
+    base64` (README.md): such a string is checked as the floats it encodes."""
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        data = [
+            {**d, "embedding": _floats(d["embedding"])}
+            if isinstance(d, dict) and isinstance(d.get("embedding"), str)
+            else d
+            for d in obj["data"]
+        ]
+        obj = {**obj, "data": data}
+    validate("openai:CreateEmbeddingResponse", obj)
+
+
+def _floats(b64: str) -> list[float]:
+    import base64
+    import struct
+
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) % 4:
+        raise SchemaViolation("a base64 embedding that is not whole float32 values")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
 def validate_error(obj: Any) -> None:
     """An OpenAI-shaped error body ({"error": {message, type, param, code}})."""
     validate("openai:ErrorResponse", obj)

@@ -32,6 +32,8 @@ def _checks(method: str, path: str) -> tuple[Check, Check] | None:
         return schemas.validate_chat, lambda c: _chunk(c, schemas.validate_chat)
     if method == "POST" and path.endswith("/v1/completions"):
         return schemas.validate_completion, lambda c: _chunk(c, schemas.validate_completion)
+    if method == "POST" and path.endswith("/v1/embeddings"):
+        return schemas.validate_embeddings, schemas.validate_embeddings  # never streamed
     return None
 
 

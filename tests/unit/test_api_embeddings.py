@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.factories import FakeEmbedder, FakeRunner, fake_app
+from tests.schemas import validate_embeddings
 
 EMBEDDER = FakeEmbedder()
 
@@ -31,6 +32,7 @@ def test_embeddings_shape_order_usage_and_unit_length(client):
     r = client.post("/v1/embeddings", json={"model": "embed", "input": ["abc", "xyz", "abd"]})
     assert r.status_code == 200
     body = r.json()
+    validate_embeddings(body)  # OpenAI's published schema
     assert body["object"] == "list" and body["model"] == "embed"
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
     v = _vectors(body)
