@@ -30,7 +30,7 @@ from ferrum.engine.request import ImageSpan
 from ferrum.errors import InvalidRequest
 
 IMAGE_MARK = "\ue002"  # private use: no tokenizer or template gives it a meaning
-MAX_IMAGE_URL_BYTES = 16 * 1024 * 1024  # one image part's data URI
+MAX_IMAGE_URL_BYTES = 10 * 1024 * 1024  # one image part's data URI
 MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before decoding
 MAX_IMAGES = 16  # per request
 _FORMATS = {"PNG", "JPEG"}

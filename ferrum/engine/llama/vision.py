@@ -166,4 +166,3 @@ class EmbeddingBatch:
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
-
