@@ -373,6 +373,14 @@ class ModelsConfig:
             "(e.g. 50GiB; 0: no quota beyond the free disk); a pull or copy past it is a 400",
         ),
     )
+    mmproj: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "--mmproj",
+            help="a vision projector GGUF (llama.cpp's mmproj) for a model, so its requests "
+            "may carry images: PATH on the one model served, or NAME=PATH (repeat)",
+        ),
+    )
     alias: str = field(
         default="",
         metadata=_flag(

@@ -34,6 +34,7 @@ from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
 from ferrum.models.memory import estimate_bytes, facts_kv_bytes, memory_budget
 from ferrum.models.presets import load_presets
+from ferrum.models.projectors import attach as attach_projectors
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
 from ferrum.models.units import parse_duration, parse_size
@@ -129,7 +130,7 @@ class _Loader:
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str, kv_cell: int) -> ServedModel:
         lora = [a.path for a in spec.adapters]
-        runner = LlamaRunner(cfg, path, lora, kv_bytes_per_cell=kv_cell)
+        runner = LlamaRunner(cfg, path, lora, kv_bytes_per_cell=kv_cell, mmproj=spec.mmproj)
         info = runner.info
         try:
             template = spec.preset.chat_template or self.server_cfg.chat_template
@@ -168,6 +169,7 @@ class _Loader:
             close_runner=runner.close,
             preparer=self.preparer,
             adapters=spec.adapters,
+            images=runner.images,
         )
         if cfg.pooling:  # a second context on the same (memory-mapped) weights
             try:
@@ -234,6 +236,7 @@ def build_server(
     )
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets), models_cfg.alias)
     specs = attach_adapters(specs, models_cfg.lora)
+    specs = attach_projectors(specs, models_cfg.mmproj)
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.
     threads = ThreadPoolExecutor(4, "ferrum-load")

@@ -303,9 +303,10 @@ def llama_engine(
     batch: int = 64,
     speculation=None,
     lora: Sequence[str] = (),
+    mmproj: str = "",
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
-    order), closed afterwards."""
+    order; this vision projector), closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
 
@@ -316,7 +317,7 @@ def llama_engine(
         threads=2,
         no_prefix_cache=not prefix_cache,
     )
-    runner = LlamaRunner(cfg, path, lora)
+    runner = LlamaRunner(cfg, path, lora, mmproj=mmproj)
     try:
         yield LLMEngine(runner, block_size=16, max_running=parallel, prefix_cache=prefix_cache,
                         speculation=speculation)  # fmt: skip

@@ -26,11 +26,12 @@ from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.openai.answers import CompletionKind
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.chat_template import ChatFormatter, Tokenize
+from ferrum.api.prompting.images import image_parts, prompt_with_images
 from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
-from ferrum.engine.request import AdapterSet, SamplingParams
+from ferrum.engine.request import AdapterSet, ImageSpan, SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
 from ferrum.models.adapters import adapter_set
 from ferrum.models.pull_workers import PullWorkers
@@ -70,6 +71,7 @@ class Prepared:
     prompt: list[int]
     kind: CompletionKind
     grammar: str | None = None
+    images: tuple[ImageSpan, ...] = ()  # image rows at their prompt positions
 
 
 def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
@@ -83,7 +85,15 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     text_bytes = sum(utf8_length(m.text()) for m in body.messages)
     refuse_unfit_text(model.vocab, text_bytes, model.info.n_ctx, "messages")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
-    prompt = chat_prompt(model.formatter, model.vocab, model.system, body, tools)
+    spans: tuple[ImageSpan, ...] = ()
+    if parts := image_parts(body.messages):
+        prompt, spans = prompt_with_images(
+            model.name, model.images, parts, model.vocab.tokenize,
+            lambda marked: chat_prompt(model.formatter, model.vocab, model.system, body, tools,
+                                       marked),
+        )  # fmt: skip
+    else:
+        prompt = chat_prompt(model.formatter, model.vocab, model.system, body, tools)
     fmt = model.formatter.tool_format
     grammar = model.grammars.for_tools(tools, fmt)
     if grammar is None:
@@ -98,7 +108,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
         token_bytes=model.vocab.token_bytes,
         tool_format=fmt if tools.active else None,
     )
-    return Prepared(prompt, kind, grammar)
+    return Prepared(prompt, kind, grammar, spans)
 
 
 def chat_prompt(
@@ -107,6 +117,7 @@ def chat_prompt(
     system: str,
     body: ChatCompletionRequest,
     tools: ToolRequest,
+    tokenize: Tokenize | None = None,
 ) -> list[int]:
     """A chat's prompt tokens: its messages (the preset's system prompt first when they bring
     none) and tools rendered by the template. A cluster's ingress computes the same tokens to
@@ -114,7 +125,7 @@ def chat_prompt(
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if system and not any(m["role"] in ("system", "developer") for m in messages):
         messages.insert(0, {"role": "system", "content": system})
-    return formatter.tokenize(messages, vocab.tokenize, tools.template_tools())
+    return formatter.tokenize(messages, tokenize or vocab.tokenize, tools.template_tools())
 
 
 def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
@@ -255,7 +266,7 @@ def submit(
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     streams = [
-        engine.submit(rid, prompt, _choice_params(params, i), split_think, whole)
+        engine.submit(rid, prompt, _choice_params(params, i), split_think, whole, prepared.images)
         for i, rid in enumerate(ids)
     ]
     return Submission(request_id, streams, ids, engine)

@@ -29,7 +29,7 @@ from ferrum.engine.compute import compute
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.prefix import ResidentPrefixes
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.request import FinishReason, SamplingParams
+from ferrum.engine.request import FinishReason, ImageSpan, SamplingParams
 from ferrum.engine.turns import Party, Turns
 from ferrum.errors import EngineError, ServiceUnavailable, TooManyRequests
 
@@ -57,6 +57,7 @@ class _Add:
     params: SamplingParams
     split_think: bool
     whole: bool  # the caller reads only the finished output
+    images: tuple[ImageSpan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,14 +171,16 @@ class AsyncEngine:
         params: SamplingParams,
         split_think: bool,
         whole: bool = False,
+        images: tuple[ImageSpan, ...] = (),
     ) -> RequestStream:
         """The request's stream of outputs; `whole`: one output only, the finished one, with
-        everything in it (for an answer that is not streamed)."""
+        everything in it (for an answer that is not streamed); `images`: the image rows at
+        their prompt positions."""
         if not self.alive or self._stopping:
             raise ServiceUnavailable("the engine is not running")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think, whole))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think, whole, images))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -315,7 +318,9 @@ class AsyncEngine:
         if cmd.whole:
             self._held[cmd.request_id] = []
         try:
-            self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think)
+            self.core.add_request(
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think, cmd.images
+            )
         except Exception as exc:  # the request fails, the engine goes on
             log.exception("could not add request %s", cmd.request_id)
             error = EngineError(f"could not start the request: {exc}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ferrum.engine.request import AdapterSet, SamplingParams
 
@@ -31,7 +31,10 @@ class BatchItem:
     the positions of guesses it did not take are removed from the sequence.
 
     Every item of one step has the same `adapters` (LoRA set): llama.cpp applies one set to
-    a whole decode."""
+    a whole decode.
+
+    `embeds`: (offset into `tokens`, rows) for each run of image positions in the item: there
+    the rows are decoded, not the placeholder tokens (`request.ImageSpan`)."""
 
     seq_id: int
     tokens: Sequence[int]
@@ -39,6 +42,7 @@ class BatchItem:
     sample_for: str | None = None
     draft: int = 0
     adapters: AdapterSet = ()
+    embeds: tuple[tuple[int, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,7 @@ class ModelInfo:
     cache_type_v: str = "f16"
     flash_attn: str = "auto"
     kv_bytes_per_cell: int = 0
+    vision: bool = False  # a projector is loaded: prompts may hold images
 
 
 class Vocabulary(Protocol):
@@ -116,6 +121,25 @@ class Vocabulary(Protocol):
         """ValueError naming why llguidance cannot compile the grammar text
         (`engine/constraint.py`); a compiled grammar is kept, so a request that uses it later
         is not compiled again."""
+        ...
+
+
+@dataclass(frozen=True)
+class RgbImage:
+    """A decoded image: width × height pixels, 3 bytes (R, G, B) each, rows top to bottom."""
+
+    width: int
+    height: int
+    pixels: bytes
+
+
+class ImageEncoder(Protocol):
+    """A model's vision projector. Encoding is long CPU work: the preparation thread alone
+    calls it, never the event loop or the engine's step."""
+
+    def encode(self, image: RgbImage) -> list[list[int] | Any]:
+        """The image as prompt pieces, in order: token lists (the model's image markers, if
+        it has any) and float32 embedding arrays of shape (positions, n_embd)."""
         ...
 
 

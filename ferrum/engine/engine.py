@@ -19,7 +19,7 @@ from ferrum.engine.kv.residency import KVManager
 from ferrum.engine.kv.tiers import TierConfig, TierStats
 from ferrum.engine.logprobs import LogprobTracker
 from ferrum.engine.outputs import EngineObserver, FinishedRequest, RequestOutput, StepStats
-from ferrum.engine.request import FinishReason, Request, SamplingParams
+from ferrum.engine.request import FinishReason, ImageSpan, Request, SamplingParams
 from ferrum.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from ferrum.engine.speculation.speculator import Drafter, SpecConfig, Speculator
 from ferrum.engine.text import TextPipeline
@@ -113,10 +113,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         split_think: bool = True,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
-        request = Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params, images=images)
         self.runner.start_request(request_id, params)
         text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
         live = _RequestState(request, text, RequestOutput(request_id))
@@ -174,7 +175,10 @@ class LLMEngine:
             tokens = req.all_token_ids[c.start : c.start + c.length] + list(c.draft)
             sample_for = req.request_id if c.samples else None
             draft = len(c.draft)
-            items.append(BatchItem(req.seq_id, tokens, c.start, sample_for, draft, req.adapters))
+            embeds = req.embeds_in(c.start, c.length) if req.images else ()
+            items.append(
+                BatchItem(req.seq_id, tokens, c.start, sample_for, draft, req.adapters, embeds)
+            )
         result = self.runner.execute(items)
         if self.speculator is not None and result.decode_s > 0 and not sched.has_prefill:
             self.speculator.timed(sched.num_tokens, result.decode_s)

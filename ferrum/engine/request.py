@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferrum.engine.kv.ledger import PageTable
 
@@ -26,6 +27,24 @@ AdapterSet = tuple[tuple[int, float], ...]
 def adapter_scope(adapters: AdapterSet) -> str:
     """The part of a cache scope that keeps one adapter set's KV from every other set's."""
     return "" if not adapters else "|lora:" + ",".join(f"{i}*{s!r}" for i, s in adapters)
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """An image in a prompt: its projector's embeddings (float32 rows of the model's width,
+    one per position) stand at prompt positions [start, start + len(embeds)); the prompt
+    holds placeholder tokens there, which are never decoded as tokens.
+
+        prompt:  t0 t1 t2 [ ■  ■  ■  ■ ] t7 t8      ■ = image position
+                           start ─────▶ start + len(embeds)
+    """
+
+    start: int
+    embeds: Any  # numpy float32 array, shape (positions, n_embd)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.embeds)
 
 
 class FinishReason(enum.StrEnum):
@@ -100,6 +119,7 @@ class Request:
     admitted: bool = False
     # Output tokens it had at its latest admission: how long it has run since (fairness).
     output_at_admission: int = 0
+    images: tuple[ImageSpan, ...] = ()  # in prompt order, never overlapping
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -114,6 +134,21 @@ class Request:
     @property
     def adapters(self) -> AdapterSet:
         return self.params.adapters
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether its KV may be reused by others and it may reuse theirs. A prompt with
+        images may not (yet): its placeholder tokens do not say which image stands there."""
+        return not self.images
+
+    def embeds_in(self, start: int, length: int) -> tuple[tuple[int, Any], ...]:
+        """The image rows at positions [start, start + length): (offset from start, rows)."""
+        runs = []
+        for span in self.images:
+            lo, hi = max(start, span.start), min(start + length, span.end)
+            if lo < hi:
+                runs.append((lo - start, span.embeds[lo - span.start : hi - span.start]))
+        return tuple(runs)
 
     @property
     def num_prompt_tokens(self) -> int:

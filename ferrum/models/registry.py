@@ -51,6 +51,7 @@ class ModelSpec:
     created: float = 0.0
     preset: Preset = field(default_factory=Preset)
     adapters: tuple[LoraAdapter, ...] = ()  # LoRA adapters served on it, in id order
+    mmproj: str = ""  # its vision projector GGUF (`--mmproj`); "": it sees no images
 
     @property
     def aliases(self) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.errors import InvalidModelFile, ModelNotFound
 from ferrum.models.gguf_file import read_gguf
 from ferrum.models.memory import model_files
+from ferrum.models.projectors import capabilities as extra_capabilities
 from ferrum.models.pull import PullProgress, pull
 from ferrum.models.reference import parse_reference
 from ferrum.models.registry import ModelSpec
@@ -74,13 +75,14 @@ class _Facts:
     quant: str = ""
     context_length: int = 0
     chat_template: bool = False
+    vision: bool = False  # served with a projector (`--mmproj`)
 
 
 def _facts(
     spec: ModelSpec, manifest: Manifest | None, info: ModelInfo | None, started: float
 ) -> _Facts:
     """Reads files: call it in a worker thread."""
-    base = _Facts(spec.name, spec.created or started)
+    base = _Facts(spec.name, spec.created or started, vision="vision" in extra_capabilities(spec))
     if manifest is not None:
         return dataclasses.replace(
             base,
@@ -172,6 +174,8 @@ def _show(state: ServerState, f: _Facts) -> dict[str, Any]:
     capabilities = ["embedding"] if embeds else ["completion"]
     if not embeds and (f.chat_template or template):
         capabilities.append("tools")  # tools ride on the chat template (`prompting/tool_calls.py`)
+    if f.vision:
+        capabilities.append("vision")
     return {
         "modelfile": "",
         "parameters": "",

@@ -78,6 +78,19 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str  # a data URI (`prompting/images.py`)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCallIn(_Body):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -91,7 +104,7 @@ class ToolCallIn(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     # Tool turns: an assistant's calls, and the id a tool result answers.
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_CONTENT_PARTS)] | None = None
@@ -105,7 +118,7 @@ class Message(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class StreamOptions(_Body):

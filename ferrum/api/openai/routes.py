@@ -29,6 +29,7 @@ from ferrum.api.serving import (
 from ferrum.errors import RequestTimeout
 from ferrum.models.adapters import adapter_names
 from ferrum.models.errors import ModelNotFound
+from ferrum.models.projectors import capabilities
 from ferrum.models.registry import Lease, ModelSpec
 
 __all__ = ["Completion", "add_openai_routes", "complete", "route"]
@@ -159,6 +160,8 @@ def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
         "owned_by": spec.source.partition(":")[0] or "ferrum",
         "loaded": False,
     }
+    if seen := capabilities(spec):
+        card["capabilities"] = seen
     for m in state.models.loaded():
         if m.spec.name != spec.name:
             continue

@@ -29,6 +29,7 @@ from jinja2 import Template, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ferrum.api.prompting.builtin_templates import BUILTIN_TEMPLATES, resolve_template
+from ferrum.api.prompting.images import IMAGE_MARK
 from ferrum.api.prompting.tool_calls import ToolFormat, detect_format
 from ferrum.errors import InvalidRequest
 
@@ -171,7 +172,12 @@ def _text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    # An image stands as its mark where it was, for tokenizing to find (images.py).
+    return "".join(
+        IMAGE_MARK if p.get("type") == "image_url" else p.get("text", "")
+        for p in content
+        if isinstance(p, Mapping)
+    )
 
 
 def _template_message(message: Mapping[str, Any], mark: Mark) -> dict[str, Any]:

@@ -114,7 +114,7 @@ class KVManager:
         the next owner (a shorter match) is tried, and only then a fresh prefill. A saved
         state longer than the resident reuse is restored when that is cheaper.
         """
-        if not self.prefix_cache:
+        if not self.prefix_cache or not req.shares_kv:
             return _FRESH
         refused = 0
         saved: Reuse | None = None
@@ -204,7 +204,7 @@ class KVManager:
             raise
         if reuse.window_refusals:
             self.window_fallbacks += 1
-        if self.prefix_cache:
+        if self.prefix_cache and req.shares_kv:
             self.index.add(req)
         return reused
 
@@ -306,7 +306,7 @@ class KVManager:
             self.ops.trim_sequence(req.seq_id, req.num_computed_tokens)
 
     def on_tokens_appended(self, req: Request) -> None:
-        if self.prefix_cache:
+        if self.prefix_cache and req.shares_kv:
             self.index.extend(req)
 
     def release(self, req: Request, park: bool) -> None:
@@ -317,7 +317,7 @@ class KVManager:
         if seq_id is None:
             return
         resident = req.num_computed_tokens
-        if park and self.prefix_cache and resident >= self.blocks.block_size:
+        if park and self.prefix_cache and req.shares_kv and resident >= self.blocks.block_size:
             self._park(req, seq_id, resident)
         else:
             self.blocks.release(req.page_table)
@@ -428,7 +428,8 @@ class KVManager:
         self.seq_ids.check_integrity(owned + [p.seq_id for p in parked])
         _one_scope_per_block([*running, *parked])
         saved = len(self.saved) if self.saved is not None else 0
-        if self.prefix_cache and len(self.index) != len(running) + len(parked) + saved:
+        indexed = sum(r.shares_kv for r in running)  # a request with images is never indexed
+        if self.prefix_cache and len(self.index) != indexed + len(parked) + saved:
             raise IntegrityError("prefix index out of step with running, parked and saved")
 
 

@@ -31,6 +31,7 @@ from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
 from ferrum.engine.llama.sampler import Sampler
+from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ModelLoadError
@@ -73,10 +74,12 @@ class LlamaRunner:
         model_path: str,
         lora_paths: Sequence[str] = (),
         kv_bytes_per_cell: int = 0,
+        mmproj: str = "",
     ):
         """`lora_paths`: the LoRA adapters requests may pick (`adapters.py`);
         `kv_bytes_per_cell`: what one KV cell costs at the configured types (the composition
-        root computes it from the GGUF header with `ferrum.kv_types`), reported in `info`."""
+        root computes it from the GGUF header with `ferrum.kv_types`), reported in `info`;
+        `mmproj`: a vision projector GGUF opened beside the model (`vision.py`)."""
         if not os.path.isfile(model_path):
             raise ModelLoadError(f"model file not found: {model_path}")
         route_llama_logs()
@@ -87,6 +90,8 @@ class LlamaRunner:
         self._window: _WindowProbe | None = None
         self._samplers: dict[str, Sampler] = {}
         self._adapters: LoraAdapters | None = None
+        self._projector: Projector | None = None
+        self._embd_batch: EmbeddingBatch | None = None
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
         self._model = ll.llama_model_load_from_file(model_path.encode(), mparams)
@@ -96,6 +101,8 @@ class LlamaRunner:
         try:
             self._init_context(config)
             self._adapters = LoraAdapters(self._model, lora_paths)  # ids: their order here
+            if mmproj:
+                self._open_projector(mmproj, config)
         except Exception:
             self.close()
             raise
@@ -113,6 +120,20 @@ class LlamaRunner:
     def vocab(self) -> LlamaVocab:
         """What other threads may use: tokenizer, token bytes, grammars."""
         return self._vocab
+
+    @property
+    def images(self) -> Projector | None:
+        """The vision projector (the preparation thread encodes with it); None: text only."""
+        return self._projector
+
+    def _open_projector(self, path: str, config: EngineConfig) -> None:
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"projector file not found: {path}")
+        threads = config.resolved_threads()
+        self._projector = Projector(self._model, path, threads, _LOG_CALLBACK)
+        self._embd_batch = EmbeddingBatch(
+            self._n_batch, self._projector.n_embd, self._projector.non_causal
+        )
 
     def _init_context(self, config: EngineConfig) -> None:
         threads = config.resolved_threads()
@@ -198,6 +219,7 @@ class LlamaRunner:
             cache_type_v=type_v,
             flash_attn=flash_attn,
             kv_bytes_per_cell=kv_bytes_per_cell,
+            vision=self._projector is not None,
         )
 
     # -- requests -------------------------------------------------------------------------
@@ -253,10 +275,44 @@ class LlamaRunner:
         return True
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
-        """Decodes all items in one llama_decode and samples where asked."""
+        """Decodes all items in one llama_decode and samples where asked (image rows first,
+        in runs of their own: `vision.py`)."""
         result = StepResult()
-        self._decode_split(list(range(len(items))), items, result)
+        if any(item.embeds for item in items):
+            items = self._decode_images(items, result)
+        idx = [i for i, item in enumerate(items) if item.tokens and i not in result.failed]
+        if idx:
+            self._decode_split(idx, items, result)
         return result
+
+    def _decode_images(self, items: Sequence[BatchItem], result: StepResult) -> list[BatchItem]:
+        """Decodes each item's runs up to its last token run (each once: the shared batch's
+        "no slot" split must not decode them again); the items left for the shared batch,
+        an empty one where nothing is left."""
+        left = list(items)
+        self._use_adapters(list(items), result)
+        for i, item in enumerate(items):
+            if not item.embeds:
+                continue
+            runs, tail = cut(item)
+            left[i] = tail or BatchItem(item.seq_id, (), item.start_pos)
+            for run in runs:
+                rc = self._decode_run(run, i, result)
+                if rc != 0:
+                    result.failed[i] = f"llama_decode={rc} on an image"
+                    break
+        return left
+
+    def _decode_run(self, run: BatchItem, i: int, result: StepResult) -> int:
+        if not run.embeds:
+            return self._decode([0], [run], StepResult())
+        if self._embd_batch is None:
+            raise ValueError("image rows for a model without a projector")
+        result.decode_calls += 1
+        rc = self._embd_batch.decode(self._ctx, run)
+        if rc == 0 and run.sample_for is not None:
+            self._verify(run, len(run.tokens) - 1, self._samplers[run.sample_for], i, result)
+        return rc
 
     def _decode_split(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> None:
         rc = self._injected_fault(idx, result) or self._decode(idx, items, result)
@@ -359,6 +415,12 @@ class LlamaRunner:
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
+        if self._embd_batch is not None:
+            self._embd_batch.free()
+            self._embd_batch = None
+        if self._projector is not None:  # it holds the model: freed before it
+            self._projector.close()
+            self._projector = None
         if self._ctx is not None:
             ll.llama_free(self._ctx)
             self._ctx = None

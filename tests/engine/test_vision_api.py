@@ -1,0 +1,122 @@
+"""Images through the OpenAI chat API on a real server build: the tiny llama served as
+"eye" with the tiny projector (`--mmproj eye=PATH`) and as "text" without one."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+from ferrum.models.projectors import attach
+from ferrum.models.registry import ModelSpec
+from ferrum.server import build_server
+from tests.tiny_vision import N_IMAGE_TOKENS, write_tiny_mmproj
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory) -> str:
+    return str(write_tiny_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf"))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, mmproj, tmp_path_factory):
+    engine_cfg = EngineConfig(ctx_size=512, parallel=4, batch_size=64, threads=2,
+                              cache_ram=0, cache_disk=0)  # fmt: skip
+    models = ModelsConfig(model=(f"eye={tiny_llama}", f"text={tiny_llama}"),
+                          models_dir=str(tmp_path_factory.mktemp("store")),
+                          mmproj=(f"eye={mmproj}",))  # fmt: skip
+    app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
+    with TestClient(app) as c:
+        yield c
+
+
+def _png(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return _uri(out.getvalue(), fmt)
+
+
+def _flat(size: tuple[int, int]) -> str:
+    """A large image in a small file: one colour compresses to almost nothing."""
+    out = io.BytesIO()
+    Image.new("RGB", size, (10, 20, 30)).save(out, format="PNG")
+    return _uri(out.getvalue(), "PNG")
+
+
+def _uri(data: bytes, fmt: str) -> str:
+    kind = "png" if fmt == "PNG" else "jpeg"
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def _chat(client, url: str, model: str = "eye", **extra):
+    image = {"type": "image_url", "image_url": {"url": url}}
+    content = [{"type": "text", "text": "what is"}, image]
+    body = {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8, "temperature": 0, **extra}  # fmt: skip
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_models_with_a_projector_say_they_see(client):
+    cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+    assert cards["eye"]["capabilities"] == ["vision"] and "capabilities" not in cards["text"]
+    assert "vision" in client.post("/api/show", json={"model": "eye"}).json()["capabilities"]
+    assert "vision" not in client.post("/api/show", json={"model": "text"}).json()["capabilities"]
+
+
+def test_an_image_is_answered_repeatably_and_counted_in_the_prompt(client):
+    first, again = _chat(client, _png(1)), _chat(client, _png(1))
+    assert first.status_code == 200, first.text
+    text_only = client.post("/v1/chat/completions", json={
+        "model": "eye", "messages": [{"role": "user", "content": "what is"}], "max_tokens": 1,
+    }).json()["usage"]["prompt_tokens"]  # fmt: skip
+    assert first.json()["usage"]["prompt_tokens"] == text_only + N_IMAGE_TOKENS
+    content = first.json()["choices"][0]["message"]["content"]
+    assert content == again.json()["choices"][0]["message"]["content"]
+    jpeg = _chat(client, _png(1, fmt="JPEG"))
+    assert jpeg.status_code == 200, jpeg.text
+
+
+def test_a_text_model_asked_about_an_image_names_itself(client):
+    r = _chat(client, _png(1), model="text")
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "'text'" in error["message"] and error["param"] == "messages[0].content[1]"
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("https://example.com/cat.png", "data URI"),
+        ("data:image/png;base64,not base64!", "base64"),
+        (
+            "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n broken").decode(),
+            "readable",
+        ),
+        (_flat((5000, 4000)), "pixels"),
+        ("data:image/png;base64," + "A" * (11 * 1024 * 1024), "bytes"),
+    ],
+)
+def test_a_bad_image_is_a_400_naming_its_part(client, url, words):
+    r = _chat(client, url)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["param"] == "messages[0].content[1]"
+    assert _chat(client, _png(1)).status_code == 200  # and the server goes on
+
+
+def test_mmproj_flags_name_a_served_model_and_a_file(mmproj):
+    specs = [ModelSpec("a", lambda: ""), ModelSpec("b", lambda: "")]
+    assert attach(specs, [f"b={mmproj}"])[1].mmproj == mmproj
+    with pytest.raises(ValueError, match="several models"):
+        attach(specs, [mmproj])
+    with pytest.raises(ValueError, match="no model 'c'"):
+        attach(specs, [f"c={mmproj}"])
+    with pytest.raises(ValueError, match="file not found"):
+        attach(specs[:1], ["/nope/mmproj.gguf"])
+    assert attach(specs[:1], [mmproj])[0].mmproj == mmproj
