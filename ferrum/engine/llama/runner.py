@@ -33,6 +33,7 @@ from ferrum.engine.llama.adapters import LoraAdapters
 from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
 from ferrum.engine.llama.vocab import LlamaVocab
+from ferrum.engine.llama.window import WindowProbe
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ModelLoadError
 from ferrum.kv_types import cell_type, check_kv_settings, flash_attn_resolved
@@ -87,7 +88,7 @@ class LlamaRunner:
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
-        self._window: _WindowProbe | None = None
+        self._window: WindowProbe | None = None
         self._samplers: dict[str, Sampler] = {}
         self._adapters: LoraAdapters | None = None
         self._projector: Projector | None = None
@@ -178,7 +179,13 @@ class LlamaRunner:
         self._n_batch: int = ll.llama_n_batch(self._ctx)
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
         self._mem = ll.llama_get_memory(self._ctx)
-        self._window = _WindowProbe(self, n_seq) if windowed else None
+        self._window = None
+        if windowed:
+            # Llama 4 windows are chunks: position p sees back to the start of its own chunk.
+            chunked = self._meta("general.architecture") == "llama4"
+            self._window = WindowProbe(
+                self._ctx, self._mem, self._model, self._batch, n_seq, chunked
+            )
 
     def _meta(self, key: str) -> str:
         buf = ctypes.create_string_buffer(512)
@@ -430,78 +437,3 @@ class LlamaRunner:
         if self._model is not None:
             ll.llama_model_free(self._model)
             self._model = None
-
-
-# The window cache alone (PARTIAL_ONLY), sized without its tensor data (ON_DEVICE skips it).
-_WINDOW_STATE_FLAGS = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY | ll.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
-
-
-class _WindowProbe:
-    """Counts which positions a sequence still holds in the sliding-window cache.
-
-    llama.cpp's window cache recycles a cell once its only owner's newest position is `n_swa`
-    or more past it, in cell order, not position order: a donor can lose positions above its
-    lowest one, so `llama_memory_seq_pos_min` alone cannot prove a window whole. What can be
-    counted is a sequence's cells there: the size of its window-cache state without tensor
-    data is affine in that count. So the positions in question are copied (metadata only)
-    into a probe sequence of their own, counted, and removed again:
-
-        donor      [0 ········ lo ·········· L) ··· newest
-        probe                  [lo ········· L)      whole iff it holds L - lo cells
-
-    The count covers only cells the probe's own window has not left behind, and the probe's
-    newest position is below L, so every cell it holds is counted.
-    """
-
-    def __init__(self, runner: LlamaRunner, probe_seq: int):
-        self._ctx, self._mem, self._probe = runner._ctx, runner._mem, probe_seq
-        self._n_swa = ll.llama_model_n_swa(runner._model)
-        # Llama 4 windows are chunks: position p sees back to the start of its own chunk.
-        self._chunked = runner._meta("general.architecture") == "llama4"
-        self._empty, self._base, self._per_cell = self._calibrate(runner)
-
-    def holds(self, seq_id: int, length: int) -> bool:
-        if self._chunked:
-            lo = length // self._n_swa * self._n_swa
-        else:
-            lo = max(0, length - self._n_swa + 1)
-        if lo >= length:
-            return True
-        ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
-        try:
-            return bool(self._cells(self._probe) == length - lo)
-        finally:
-            ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
-
-    def _size(self, seq: int) -> int:
-        return int(ll.llama_state_seq_get_size_ext(self._ctx, seq, _WINDOW_STATE_FLAGS))
-
-    def _cells(self, seq: int) -> int:
-        size = self._size(seq)
-        if size == self._empty:
-            return 0
-        cells, rest = divmod(size - self._base, self._per_cell)
-        if rest or cells <= 0:
-            raise RuntimeError(f"window-cache state of {size} bytes is no whole number of cells")
-        return cells
-
-    def _calibrate(self, runner: LlamaRunner) -> tuple[int, int, int]:
-        """Sizes of the probe's state at 0, 1 and 2 cells, from a two-token decode."""
-        empty = self._size(self._probe)
-        batch = runner._batch
-        for i in range(2):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = 0, i, 1
-            batch.seq_id[i][0], batch.logits[i] = self._probe, i
-        batch.n_tokens = 2
-        try:
-            if compute().run(lambda: ll.llama_decode(self._ctx, batch)) != 0:
-                raise ModelLoadError("llama.cpp could not decode two tokens at start-up")
-            two = self._size(self._probe)
-            ll.llama_memory_seq_rm(self._mem, self._probe, 1, -1)
-            one = self._size(self._probe)
-        finally:
-            ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
-        per_cell = two - one
-        if per_cell <= 0 or one <= empty:
-            raise ModelLoadError("cannot measure the sliding-window cache of this model")
-        return empty, one - per_cell, per_cell
