@@ -59,6 +59,9 @@ def build_app(settings: ClusterSettings) -> Application:
     ingress = serve.deployment(
         name="FerrumIngress",
         max_ongoing_requests=1_000_000,  # a relay: limits are the replicas'
+        # A redeploy replaces the ingress too: it relays the streams the replicas drain, so
+        # it waits as long as they do (Ray's default, 20 s, cut long answers mid-stream).
+        graceful_shutdown_timeout_s=c.drain_timeout,
         ray_actor_options={"num_cpus": 0},
     )(FerrumIngress)
     app: Application = ingress.bind(replicas, settings.without_scale())
