@@ -180,10 +180,11 @@ def test_json_object_output_is_a_json_object(client, server):
 
 
 def test_unsupported_schema_keyword_is_a_400_naming_it(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}
+    # llguidance honours `minimum` and ignores annotations; `uniqueItems` it cannot enforce.
+    schema = {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, messages=CAT, max_tokens=4, response_format=_schema_format(schema))
-    assert "minimum" in e.value.body["message"]
+    assert "uniqueItems" in e.value.body["message"]
     assert e.value.body["param"] == "response_format.json_schema.schema"
 
 
