@@ -13,7 +13,7 @@ noise; a wide one would mean a bug.
 
 Prompts: the speculation study's copy workload under four instructions and its eight prose
 topics. No arms and no timing, so no rounds: one pass, written to results.md and
-agreement.json. `--quick`: 64 tokens.
+agreement.json. `--quick`: 64 tokens, and only the first copy and the first prose prompt.
 
     ferrum bench --study speculation-agreement [--set tokens=200]
 """
@@ -169,6 +169,8 @@ def main(run: StudyRun) -> int:
     outcomes, lines = [], []
     try:
         for name, text in prompts():
+            if run.quick and name not in ("copy 0", "prose 0"):
+                continue
             outcome, line = compare(engines, name, text, tokens)
             outcomes.append(outcome)
             lines.append(line)
