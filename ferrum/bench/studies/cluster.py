@@ -20,7 +20,9 @@ flight):
   the turns.
 Metrics per run: later-turn TTFT (turns >= 2, median), burst TTFT (median), share of prompt
 tokens served from cache (cached_tokens over prompt_tokens, all requests), answer tokens/s
-over the whole run.
+over the whole run. After each cluster arm, `ray stop --force` (as bench_cluster.py did)
+stops what of Ray outlived its driver, and with it every local Ray instance: run this study on
+a machine of its own.
 
     ferrum bench --study cluster [--rounds 4] [--arms prefix,pow2]
 """

@@ -53,7 +53,7 @@ def ks(run: StudyRun) -> list[int]:
 
 
 def metric_key(k: int) -> str:
-    return f"k={k} ms"
+    return f"k={k}"
 
 
 def child_command(python: str, model: str, k: list[int], reps: int, threads: int) -> list[str]:
