@@ -1,5 +1,5 @@
 """Which replica a request goes to: the routing policies, pure (no Ray), so they can be
-tested alone and simulated with any number of replicas (`bench/simulate_router.py`).
+tested alone and simulated with any number of replicas (`ferrum bench --study router`).
 
 - `PrefixAffinity`, ferrum's: each replica publishes the chained hashes of the prefix blocks
   its engine holds (`ferrum.engine.kv.prefix.ResidentPrefixes`); the ingress hashes the request's

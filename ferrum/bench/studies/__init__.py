@@ -72,15 +72,20 @@ class StudyRun:
         except ValueError:
             raise ValueError(f"--set {key}={text!r}: expected {type(default).__name__}") from None
 
-    def ferrum(self, arm: str, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+    def ferrum(
+        self, arm: str, *flags: str, env: dict[str, str] | None = None, python: str | None = None
+    ) -> ServerProcess:
         """`ferrum serve` for `arm`, from the code tree `--tree` names for it (PYTHONPATH) or
-        this package; ready when /health answers."""
+        this package, on `python` (another interpreter: another llama.cpp build) or this one;
+        ready when /health answers."""
         port = free_port()
         env = {**os.environ, **(env or {})}
         if arm in self.trees:
             env["PYTHONPATH"] = str(self.trees[arm])
+        cmd = ferrum_command(port, "--threads", str(self.threads), *flags)
+        cmd[0] = python or cmd[0]
         server = ServerProcess(
-            ferrum_command(port, "--threads", str(self.threads), *flags),
+            cmd,
             self.out / f"{arm.replace(' ', '_')}.log", port, env=env,
         )  # fmt: skip
         return _ready(server)

@@ -4,6 +4,7 @@
     sampler.py           one request's sampling chain, grammar and logprobs
     vocab.py             the model's `Vocabulary` for any thread; `VocabularyFile`
     embedding_runner.py  `EmbeddingRunner`, the embedding engine's `BatchEmbedder`
+    kernel_timing.py     ms per `llama_decode`, the bench's kernels study's child process
 
 Nothing else in `ferrum.engine` imports this package (a contract in pyproject.toml): the
 core sees llama.cpp only through `contracts.py` and `embedding.BatchEmbedder`, so the
