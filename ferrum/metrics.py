@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.outputs import EngineObserver, StepStats
 from ferrum.engine.turns import Party
+from ferrum.structured_metrics import StructuredMetrics
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
@@ -107,6 +108,7 @@ class Metrics(EngineObserver):
         self._add_engine_metrics(self.registry)
         self._add_prefix_metrics(self.registry)
         self._add_embedding_metrics(self.registry)
+        self.structured = StructuredMetrics(self.registry)
         self._turns = _TurnTotals()
         self.registry.register(self._turns)
 
@@ -197,18 +199,6 @@ class Metrics(EngineObserver):
             "ferrum_spec_accepted_tokens",
             "Guessed tokens kept (acceptance rate: this over draft tokens; tokens per "
             "verification: (this + verifications) over verifications)",
-            registry=r,
-        )
-        self.masks = Counter(
-            "ferrum_structured_masks",
-            "Token masks computed for structured output (a pick the grammar refused, or "
-            "logprobs asked)",
-            registry=r,
-        )
-        self.mask_seconds = Histogram(
-            "ferrum_structured_mask_seconds",
-            "Time to compute one structured-output token mask",
-            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
             registry=r,
         )
 
@@ -328,10 +318,7 @@ class Metrics(EngineObserver):
             self.ttft.observe(t)
         for t in stats.inter_token_latencies:
             self.itl.observe(t)
-        if stats.mask_seconds:
-            self.masks.inc(len(stats.mask_seconds))
-            for t in stats.mask_seconds:
-                self.mask_seconds.observe(t)
+        self.structured.count_masks(stats.mask_seconds)
         for f in stats.finished:
             self.requests.labels(finish_reason=f.finish_reason.value).inc()
             self.latency.observe(f.latency_s)

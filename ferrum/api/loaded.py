@@ -44,7 +44,7 @@ class ServedModel:
     grammars: GrammarBuilder = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.grammars = GrammarBuilder(self.vocab)
+        self.grammars = GrammarBuilder(self.vocab, self.metrics.structured)
 
     @property
     def alive(self) -> bool:

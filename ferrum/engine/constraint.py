@@ -65,6 +65,10 @@ _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _MAX_FORMATS_DROPPED = 32
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
+# How a compile failure is counted (`refusal_reason`): llguidance's errors are text, so its
+# own words for a keyword it cannot honour and for a limit passed are matched here, once.
+_UNSUPPORTED = ("Unimplemented keys", "Unknown format")
+_PAST_LIMITS = ("fuel", "limit", "exceeded", "too many", "too large", "too big")
 
 
 def _limits() -> Any:
@@ -76,6 +80,24 @@ def _short(message: str) -> str:
     return message if len(message) <= _MESSAGE_CHARS else message[:_MESSAGE_CHARS] + "…"
 
 
+class TooLarge(ValueError):
+    """A grammar source over MAX_SOURCE_BYTES."""
+
+
+def refusal_reason(exc: Exception) -> str:
+    """The metrics' reason for a grammar that failed `to_grammar` or `Constraints.check`:
+    too_large, unsupported_keyword, compile_limits (one of `LIMITS` passed) or compile_error."""
+    if isinstance(exc, TooLarge):
+        return "too_large"
+    message = str(exc)
+    if any(word in message for word in _UNSUPPORTED):
+        return "unsupported_keyword"
+    lowered = message.lower()
+    if isinstance(exc, RecursionError) or any(word in lowered for word in _PAST_LIMITS):
+        return "compile_limits"
+    return "compile_error"
+
+
 def to_grammar(kind: str, source: Any) -> str:
     """llguidance grammar text for a request's constraint; ValueError naming what is wrong
     (not yet compiled: `Constraints.check` does that against the model's tokenizer)."""
@@ -83,7 +105,7 @@ def to_grammar(kind: str, source: Any) -> str:
         return json_schema_grammar(source)
     text = source if isinstance(source, str) else json.dumps(source)
     if len(text) > MAX_SOURCE_BYTES:
-        raise ValueError(f"is {len(text)} bytes; at most {MAX_SOURCE_BYTES} are allowed")
+        raise TooLarge(f"is {len(text)} bytes; at most {MAX_SOURCE_BYTES} are allowed")
     if kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(text))
     if kind == "choice":

@@ -84,6 +84,7 @@ class _Client:
     stream: RequestStream
     whole: bool = False  # answered whole: one output, the finished one
     scope: str = ""
+    grammar: str | None = None  # what its output must match (the constrained machine's)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hung_up: bool = False
@@ -175,6 +176,10 @@ class EngineMachine(RuleBasedStateMachine):
                 prompt = earlier[:cut] + tail
         return prompt[: self.engine.max_positions * 3 // 4] or [self.bos], like
 
+    def draw_grammar(self, data: st.DataObject) -> str | None:
+        """The grammar a submitted request's output must match (none here: free text)."""
+        return None
+
     def _pick(self, data: st.DataObject, ids: list[str]) -> _Client:
         return self.clients[data.draw(st.sampled_from(sorted(ids)), label="request")]
 
@@ -212,13 +217,16 @@ class EngineMachine(RuleBasedStateMachine):
             self.rejected += 1
             return
         max_tokens = self.engine.clamp_max_tokens(len(prompt), max_tokens)
+        grammar = self.draw_grammar(data)
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            # n choices: one prompt of one tenant, in one cache scope
-            params = sampling(max_tokens=max_tokens, tenant=tenant, cache_scope=scope)
+            # n choices: one prompt of one tenant, in one cache scope, one grammar
+            params = sampling(
+                max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar
+            )
             stream = self.front.submit(rid, prompt, params, True, whole)
-            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope)
+            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope, grammar)
         self.histories.append((prompt, scope))
 
     @precondition(lambda self: self._waiting_ids())

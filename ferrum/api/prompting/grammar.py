@@ -31,15 +31,16 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jsonschema_rs
 
 from ferrum.api.openai.bodies import ResponseFormat, StructuredRequest
-from ferrum.api.prompting.schema_limits import check_limits
+from ferrum.api.prompting.schema_limits import check_counts, check_size
+from ferrum.api.prompting.schema_recursion import unbounded_ref
 from ferrum.api.prompting.tool_calls import ToolFormat
 from ferrum.api.prompting.tool_request import Function, ToolRequest
-from ferrum.engine.constraint import lark_json, to_grammar
+from ferrum.engine.constraint import lark_json, refusal_reason, to_grammar
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
@@ -52,33 +53,83 @@ _KEPT = 256
 _KEPT_BYTES = 16 * 1024 * 1024
 
 
+class GrammarRefused(InvalidRequest):
+    """A constraint refused before any decode, with the reason the metrics count it under
+    (conflict, invalid_json, invalid_schema, too_large, schema_limits, unbounded_recursion,
+    unsupported_keyword, compile_limits, compile_error)."""
+
+    def __init__(self, message: str, *, param: str, reason: str):
+        super().__init__(message, param=param)
+        self.reason = reason
+
+
+class ConstraintCounter(Protocol):
+    """Where the builder counts what it built and refused (`StructuredMetrics`)."""
+
+    def on_constraint(self, kind: str) -> None: ...
+    def on_refusal(self, reason: str) -> None: ...
+
+
+class _Uncounted:
+    def on_constraint(self, kind: str) -> None:
+        pass
+
+    def on_refusal(self, reason: str) -> None:
+        pass
+
+
 class GrammarBuilder:
     """Builds (and keeps) the grammar of a request; thread-safe."""
 
-    def __init__(self, vocab: Vocabulary, kept: int = _KEPT, kept_bytes: int = _KEPT_BYTES):
+    def __init__(
+        self,
+        vocab: Vocabulary,
+        counter: ConstraintCounter | None = None,
+        kept: int = _KEPT,
+        kept_bytes: int = _KEPT_BYTES,
+    ):
         self._vocab = vocab
+        self._counter = counter or _Uncounted()
         self._built: SizedLRU[str, str] = SizedLRU(kept, kept_bytes)
         self._lock = threading.Lock()
 
     def for_request(self, fmt: ResponseFormat | None, body: StructuredRequest) -> str | None:
         """The grammar a request's fields ask for (response_format or one of the extension
         fields; two of them at once are refused), or None for free text."""
+        try:
+            grammar, kind = self._for_request(fmt, body)
+        except GrammarRefused as exc:
+            self._counter.on_refusal(exc.reason)
+            raise
+        if grammar is not None:
+            self._counter.on_constraint(kind)
+        return grammar
+
+    def _for_request(
+        self, fmt: ResponseFormat | None, body: StructuredRequest
+    ) -> tuple[str | None, str]:
         asked = body.constraint_fields()
         if fmt is not None and fmt.type != "text":
             asked.insert(0, ("response_format", "", fmt))
         if len(asked) > 1:
             names = ", ".join(param for param, _, _ in asked)
-            raise InvalidRequest(
-                f"only one structured output may be asked at once; got {names}", param=asked[1][0]
+            raise GrammarRefused(
+                f"only one structured output may be asked at once; got {names}",
+                param=asked[1][0],
+                reason="conflict",
             )
         if not asked:
-            return None
+            return None, ""
         param, kind, source = asked[0]
         if isinstance(source, ResponseFormat):
-            return self.for_response_format(source)
+            return self.for_response_format(source), "json_schema"
         if kind == "json_schema":
-            return self.for_schema(source, param)
-        return self._kept_or_built(_key(kind, source), lambda: to_grammar(kind, source), param)
+            return self.for_schema(source, param), kind
+
+        def build() -> str:
+            return to_grammar(kind, source)
+
+        return self._kept_or_built(_key(kind, source), build, param), kind
 
     def for_response_format(self, fmt: ResponseFormat | None) -> str | None:
         """The grammar for a response_format, or None for free text."""
@@ -87,7 +138,11 @@ class GrammarBuilder:
         if fmt.type == "json_object":
             return self.for_schema({"type": "object"}, "response_format")
         if fmt.json_schema is None:
-            raise InvalidRequest("json_schema is required", param="response_format.json_schema")
+            raise GrammarRefused(
+                "json_schema is required",
+                param="response_format.json_schema",
+                reason="invalid_schema",
+            )
         return self.for_schema(fmt.json_schema.json_schema, "response_format.json_schema.schema")
 
     def for_schema(self, schema: Any, param: str) -> str:
@@ -96,7 +151,9 @@ class GrammarBuilder:
             try:
                 schema = json.loads(schema)
             except ValueError as exc:
-                raise InvalidRequest(f"{param} is not valid JSON: {exc}", param=param) from exc
+                raise GrammarRefused(
+                    f"{param} is not valid JSON: {exc}", param=param, reason="invalid_json"
+                ) from exc
 
         def build() -> str:
             check_schema(schema, param)
@@ -108,6 +165,16 @@ class GrammarBuilder:
         """A grammar that admits only calls in `fmt`: one or more (`required`; one when not
         parallel) or exactly one of the forced function; None when the model may answer
         freely."""
+        try:
+            grammar = self._for_tools(tools, fmt)
+        except GrammarRefused as exc:
+            self._counter.on_refusal(exc.reason)
+            raise
+        if grammar is not None:
+            self._counter.on_constraint("tool_call")
+        return grammar
+
+    def _for_tools(self, tools: ToolRequest, fmt: ToolFormat) -> str | None:
         chosen = tools.chosen()
         if not chosen:
             return None
@@ -136,7 +203,8 @@ class GrammarBuilder:
             # go is compiled again here, in the worker thread, not on the engine thread.
             self._vocab.check_grammar(grammar)
         except (ValueError, RecursionError) as exc:
-            raise InvalidRequest(f"{param}: {exc}", param=param) from exc
+            reason = refusal_reason(exc)
+            raise GrammarRefused(f"{param}: {exc}", param=param, reason=reason) from exc
         with self._lock:
             self._built.put(key, grammar, len(key) + len(grammar))
         return grammar
@@ -153,12 +221,30 @@ def _key(*parts: Any) -> str:
 
 
 def check_schema(schema: Any, param: str) -> None:
-    """InvalidRequest naming the first problem: a schema too costly to compile (before any
-    other work, see schema_limits.py) or an invalid schema. Keywords are llguidance's to judge
-    (it refuses those it cannot honour, by name)."""
+    """GrammarRefused naming the first problem: a schema too costly to compile (before any
+    other work, see schema_limits.py), an invalid schema, or one no finite JSON satisfies
+    (schema_recursion.py). Keywords are llguidance's to judge (it refuses those it cannot
+    honour, by name)."""
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{param} must be a JSON object", param=param)
-    check_limits(schema, param)
+        raise GrammarRefused(f"{param} must be a JSON object", param=param, reason="invalid_schema")
+    for check, reason in ((check_size, "too_large"), (check_counts, "schema_limits")):
+        try:
+            check(schema, param)
+        except InvalidRequest as exc:
+            raise GrammarRefused(exc.message, param=param, reason=reason) from exc
+    _check_against_metaschema(schema, param)
+    cycle = unbounded_ref(schema, param)
+    if cycle is not None:
+        raise GrammarRefused(
+            f"{param} has no finite instance: {cycle} recurses with no base case (each step "
+            "is required: a required property, minItems of 1 or more, or no alternative "
+            "without it), so no output could ever end",
+            param=param,
+            reason="unbounded_recursion",
+        )
+
+
+def _check_against_metaschema(schema: dict[str, Any], param: str) -> None:
     try:
         # jsonschema-rs: the draft 2020-12 metaschema check in ~0.05 ms where the pure-Python
         # jsonschema takes ~20 ms of held GIL (stalling the engine thread) on a 60-property
@@ -166,11 +252,15 @@ def check_schema(schema: Any, param: str) -> None:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as exc:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.instance_path)
-        raise InvalidRequest(
-            f"{param}{where} is not a valid JSON schema: {exc.message}", param=param
+        raise GrammarRefused(
+            f"{param}{where} is not a valid JSON schema: {exc.message}",
+            param=param,
+            reason="invalid_schema",
         ) from exc
     except jsonschema_rs.ReferencingError as exc:
-        raise InvalidRequest(f"{param} is not a valid JSON schema: {exc}", param=param) from exc
+        raise GrammarRefused(
+            f"{param} is not a valid JSON schema: {exc}", param=param, reason="invalid_schema"
+        ) from exc
 
 
 def _calls_lark(call_json: str, fmt: ToolFormat, many: bool) -> str:

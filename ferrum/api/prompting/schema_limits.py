@@ -83,12 +83,22 @@ def walk(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any], int]]:
 
 def check_limits(schema: Any, param: str) -> None:
     """InvalidRequest naming the first limit the schema passes (see the constants)."""
+    check_size(schema, param)
+    check_counts(schema, param)
+
+
+def check_size(schema: Any, param: str) -> None:
+    """InvalidRequest when the schema is over MAX_SCHEMA_BYTES."""
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_BYTES:
         raise InvalidRequest(
             f"{param} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are allowed",
             param=param,
         )
+
+
+def check_counts(schema: Any, param: str) -> None:
+    """InvalidRequest naming the first count, depth or size of choices over its limit."""
     total = 0
     for count, (where, node, depth) in enumerate(walk(schema, param), start=1):
         if depth > MAX_DEPTH:
