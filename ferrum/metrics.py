@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ferrum.adapter_metrics import AdapterSeries
 from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.outputs import EngineObserver, StepStats
 from ferrum.engine.turns import Party
@@ -109,6 +110,7 @@ class Metrics(EngineObserver):
         self._add_embedding_metrics(self.registry)
         self._turns = _TurnTotals()
         self.registry.register(self._turns)
+        self.adapters = AdapterSeries(self.registry)  # by LoRA adapter
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -190,9 +192,8 @@ class Metrics(EngineObserver):
             "Decodes of a sequence that carried guessed tokens (n-gram speculation)",
             registry=r,
         )
-        self.spec_drafted = Counter(
-            "ferrum_spec_draft_tokens", "Guessed tokens verified", registry=r
-        )
+        self.spec_drafted = Counter("ferrum_spec_draft_tokens", "Guessed tokens verified",
+                                    registry=r)  # fmt: skip
         self.spec_accepted = Counter(
             "ferrum_spec_accepted_tokens",
             "Guessed tokens kept (acceptance rate: this over draft tokens; tokens per "
@@ -301,6 +302,7 @@ class Metrics(EngineObserver):
         return self.registry.collect()
 
     def _count(self, stats: StepStats) -> None:
+        self.adapters.count(stats)
         if stats.num_tokens:
             self.step_tokens.observe(stats.num_tokens)
             self.step_sequences.observe(stats.num_sequences)

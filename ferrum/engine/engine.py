@@ -149,12 +149,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        switches = self.scheduler.turns.switches
         sched = self.scheduler.schedule()
         stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
         stats.preemptions = len(sched.preempted)
         touched: list[_RequestState] = []
         self.stalled = not sched.chunks
         if sched.chunks:
+            stats.adapters = tuple(i for i, _ in sched.chunks[0].request.adapters)
+            stats.adapter_switches = self.scheduler.turns.switches - switches
             self._execute(sched, stats, touched)
         outputs = [self._take(live) for live in touched]
         stats.step_s = time.monotonic() - t0
@@ -299,6 +302,7 @@ class LLMEngine:
                 latency_s=time.monotonic() - req.arrival_time,
                 ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
                 cached_tokens=req.num_cached_tokens,
+                adapters=tuple(i for i, _ in req.adapters),
             )
         )
 

@@ -41,6 +41,10 @@ class LoraAdapter:
     name: str
     path: str
     scale: float = 1.0  # when a request names it by `BASE:NAME`
+    # The scale requests that pick no adapter get (llama-server's POST /lora-adapters).
+    default: float = 0.0
+    # Unloaded while serving: its id stays taken (ids never move), nothing may pick it.
+    removed: bool = False
 
 
 @dataclass(frozen=True)
