@@ -60,6 +60,7 @@ class ServerState:
     split_think: bool = True
     request_timeout: float = 0.0  # --request-timeout; 0: none
     responses_store_bytes: int = 64 * 1024 * 1024  # --responses-store; 0: responses not kept
+    lora_dirs: tuple[str, ...] = ()  # --lora-dir: where an admin may load adapters from
     created: int = 0
 
 
@@ -274,8 +275,11 @@ def request_adapters(
     # The registry resolved `BASE:NAME` (or a bare NAME) to this model, 404 for a NAME it
     # lacks: what is left is which of its adapters the name picks, if any.
     wanted = body.model.rpartition(":")[2]
-    named = next((i for i, a in enumerate(model.adapters) if a.name == wanted), None)
-    return adapter_set(model.adapters, named, listed)
+    adapters = model.adapters
+    named = next((i for i, a in enumerate(adapters) if a.name == wanted and not a.removed), None)
+    if named is None and body.lora is None:  # the scales POST /lora-adapters set (default 0)
+        listed = [(i, a.default) for i, a in enumerate(adapters) if a.default and not a.removed]
+    return adapter_set(adapters, named, listed)
 
 
 def deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ferrum.engine.adapter_files import AdapterLifetimes
 from ferrum.engine.contracts import BatchItem, ModelInfo, Runner, TokenLogprobs
 from ferrum.engine.kv.ledger import BlockManager, IntegrityError
 from ferrum.engine.kv.prefix import ResidentPrefixes
@@ -77,6 +78,7 @@ class LLMEngine:
         self.stalled = False  # the last step had work but could schedule none of it
         self._finished_stats: list[FinishedRequest] = []
         self._tiers_published: TierStats | None = None
+        self.adapters = AdapterLifetimes(runner.adapters)  # loaded or unloaded while serving
 
     @staticmethod
     def _speculator(
@@ -116,6 +118,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
+        self.adapters.check(params.adapters)
         request = Request(request_id, list(prompt_token_ids), params)
         self.runner.start_request(request_id, params)
         text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
@@ -131,6 +134,7 @@ class LLMEngine:
         if live is None:
             return None
         self._finish(live, FinishReason.ABORT)
+        self.adapters.collect(self._requests())
         return self._take(live)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
@@ -165,7 +169,17 @@ class LLMEngine:
         if saved is not None and stats.prompt_tokens_computed:
             saved.costs.prefilled(stats.num_tokens, stats.step_s)
         self.publish_stats(stats)
+        if self.adapters.releasing:  # an unloaded adapter's last request may have finished
+            self.adapters.collect(self._requests())
         return outputs
+
+    def _requests(self) -> list[Request]:
+        return [live.request for live in self._live.values()]
+
+    def release_adapter(self, adapter_id: int) -> list[int]:
+        """Frees the adapter once no request it holds decodes with it (`adapter_files.py`);
+        the ids freed now."""
+        return self.adapters.release(adapter_id, self._requests())
 
     def _execute(
         self, sched: SchedulerOutput, stats: StepStats, touched: list[_RequestState]
