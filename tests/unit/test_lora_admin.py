@@ -172,3 +172,18 @@ def test_default_scales_apply_to_requests_that_pick_no_adapter(server):
     assert set(runner.adapter_sets) == {(), ((0, 1.0),)}
     for bad in ([{"id": 5, "scale": 1.0}], [{"id": 0, "scale": 1e9}], {"id": 0}):
         assert c.post("/lora-adapters", json=bad, headers=ADMIN).status_code == 400
+
+
+def test_a_reload_serves_the_same_adapters_under_the_same_ids(server):
+    c, runner, _, _ = server
+    assert _load(c, "legal", "adapters/legal.gguf").status_code == 200
+    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "support"}, headers=ADMIN)
+    assert r.json()["freed"] is True
+    r = c.post("/api/generate", json={"model": "base", "keep_alive": 0}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    runner.adapter_sets.clear()
+    runner.adapters.freed.clear()
+    assert _chat(c, "base:legal").status_code == 200  # loads the model again
+    assert runner.adapters.paths[0] is None  # the unloaded adapter's id stays empty
+    assert set(runner.adapter_sets) == {((1, 1.0),)}
+    assert _chat(c, "base:support").status_code == 404
