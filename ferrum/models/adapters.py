@@ -86,15 +86,20 @@ def attach(specs: Sequence[ModelSpec], flags: Iterable[str]) -> list[ModelSpec]:
     without a base while several models are served, an unknown base or a repeated name."""
     specs = list(specs)
     by_name = {n.lower(): i for i, s in enumerate(specs) for n in (s.name, *s.aliases)}
+    # A preset's adapters first (`presets.py`: checked and on their own model), then flags.
+    given = [(i, text) for i, s in enumerate(specs) for text in s.preset.lora]
     for text in flags:
-        flag = parse_lora_flag(text)
-        if not flag.base and len(specs) != 1:
+        base = parse_lora_flag(text).base
+        if not base and len(specs) != 1:
             raise ValueError(
                 f"--lora {text}: several models are served; name the base as BASE:NAME=PATH"
             )
-        i = by_name.get(flag.base.lower(), -1) if flag.base else 0
+        i = by_name.get(base.lower(), -1) if base else 0
         if i < 0:
-            raise ValueError(f"--lora {text}: no model {flag.base!r} is served")
+            raise ValueError(f"--lora {text}: no model {base!r} is served")
+        given.append((i, text))
+    for i, text in given:
+        flag = parse_lora_flag(text)
         if not os.path.isfile(os.path.expanduser(flag.adapter.path)):
             raise ValueError(f"--lora {text}: file not found: {flag.adapter.path}")
         path = os.path.abspath(os.path.expanduser(flag.adapter.path))
