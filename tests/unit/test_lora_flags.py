@@ -124,3 +124,9 @@ def test_a_preset_adapter_file_that_is_missing_is_refused_at_start(files, tmp_pa
     specs = _preset_specs(tmp_path, '[models.base]\nlora = ["x=nope.gguf"]\n')
     with pytest.raises(ValueError, match="file not found"):
         attach(specs, [])
+
+
+def test_lora_dir_is_repeatable_and_off_by_default():
+    parsed = make_parser().parse_args(["serve", "--lora-dir", "/a", "--lora-dir", "/b"])
+    assert _build(ModelsConfig, parsed).lora_dirs == ("/a", "/b")
+    assert _build(ModelsConfig, make_parser().parse_args(["serve"])).lora_dirs == ()
