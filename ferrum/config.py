@@ -365,6 +365,15 @@ class ModelsConfig:
             "--lora-scaled PATH SCALE sets the scale a request naming it gets (default 1)",
         ),
     )
+    lora_dirs: tuple[str, ...] = field(
+        default=(),
+        metadata=_flag(
+            "--lora-dir",
+            help="a folder whose adapter files an admin may load while serving "
+            "(POST /v1/load_lora_adapter); besides these only the model store and the --lora "
+            "files may be loaded, never another path a request names",
+        ),
+    )
     models_max_bytes: str = field(
         default="0",
         metadata=_flag(

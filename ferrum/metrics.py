@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ferrum.adapter_metrics import AdapterSeries
 from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.outputs import EngineObserver, StepStats
 from ferrum.engine.turns import Party
@@ -111,6 +112,7 @@ class Metrics(EngineObserver):
         self.structured = StructuredMetrics(self.registry)
         self._turns = _TurnTotals()
         self.registry.register(self._turns)
+        self.adapters = AdapterSeries(self.registry)  # by LoRA adapter
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -192,9 +194,8 @@ class Metrics(EngineObserver):
             "Decodes of a sequence that carried guessed tokens (n-gram speculation)",
             registry=r,
         )
-        self.spec_drafted = Counter(
-            "ferrum_spec_draft_tokens", "Guessed tokens verified", registry=r
-        )
+        self.spec_drafted = Counter("ferrum_spec_draft_tokens", "Guessed tokens verified",
+                                    registry=r)  # fmt: skip
         self.spec_accepted = Counter(
             "ferrum_spec_accepted_tokens",
             "Guessed tokens kept (acceptance rate: this over draft tokens; tokens per "
@@ -291,6 +292,7 @@ class Metrics(EngineObserver):
         return self.registry.collect()
 
     def _count(self, stats: StepStats) -> None:
+        self.adapters.count(stats)
         if stats.num_tokens:
             self.step_tokens.observe(stats.num_tokens)
             self.step_sequences.observe(stats.num_sequences)

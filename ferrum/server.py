@@ -129,7 +129,7 @@ class _Loader:
         )
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str, kv_cell: int) -> ServedModel:
-        lora = [a.path for a in spec.adapters]
+        lora = ["" if a.removed else a.path for a in spec.adapters]  # ids never move
         runner = LlamaRunner(cfg, path, lora, kv_bytes_per_cell=kv_cell, mmproj=spec.mmproj)
         info = runner.info
         try:
@@ -267,6 +267,7 @@ def build_server(
         request_timeout=server_cfg.request_timeout,
         split_think=not server_cfg.reasoning_inline,
         responses_store_bytes=_store_bytes(server_cfg.responses_store),
+        lora_dirs=models_cfg.lora_dirs,
     )
     if not state.keys.required:
         log.warning(

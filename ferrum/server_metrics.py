@@ -98,7 +98,8 @@ class ServerMetrics:
         self.loaded.set(n)
 
     def snapshot(self, name: str) -> dict[str, Any]:
-        return self.for_model(name).snapshot()
+        metrics = self.for_model(name)
+        return {**metrics.snapshot(), "lora": metrics.adapters.snapshot()}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

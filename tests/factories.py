@@ -119,6 +119,31 @@ class FakeVocab:
 
 
 @dataclass
+class FakeAdapters:
+    """The fake's LoRA files: loaded by path (a file that does not start with LORA_MAGIC is
+    refused, as llama.cpp refuses another base's adapter), freed by id."""
+
+    paths: list[str | None] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+
+    def load(self, path: str) -> int:
+        from ferrum.errors import ModelLoadError
+
+        with open(path, "rb") as f:
+            if f.read(len(LORA_MAGIC)) != LORA_MAGIC:
+                raise ModelLoadError(f"llama.cpp refused the LoRA adapter {path}")
+        self.paths.append(path)
+        return len(self.paths) - 1
+
+    def unload(self, adapter_id: int) -> None:
+        self.paths[adapter_id] = None
+        self.freed.append(adapter_id)
+
+
+LORA_MAGIC = b"fake lora for the fake base"
+
+
+@dataclass
 class FakeRunner:
     info: ModelInfo = field(default_factory=model_info)
     next_token: Callable[[Sequence[int]], int] = default_next_token
@@ -139,6 +164,7 @@ class FakeRunner:
     vocab: FakeVocab = field(default_factory=FakeVocab)
     refuse_restores: bool = False  # llama.cpp refusing every saved state
     restores: list[tuple[int, int]] = field(default_factory=list)  # (seq, positions)
+    adapters: FakeAdapters = field(default_factory=FakeAdapters)
 
     def start_request(self, request_id: str, params: SamplingParams) -> None:
         if request_id in self.samplers:
@@ -195,6 +221,8 @@ class FakeRunner:
         sets = {i.adapters for i in items}
         if len(sets) > 1:
             raise AssertionError(f"one decode mixes adapter sets {sets}")
+        if any(i in self.adapters.freed for s in sets for i, _ in s):
+            raise AssertionError(f"a decode with a freed adapter: {sets}")
         self.adapter_sets.extend(sets)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -389,6 +417,8 @@ def fake_registry(runners: dict, metrics, *, max_queue: int = 64, specs=None, **
 
     async def load(spec):
         made = runners[spec.name]()
+        if isinstance(made, FakeRunner):  # ids as the real runner numbers them
+            made.adapters.paths = [None if a.removed else a.path for a in spec.adapters]
         if isinstance(made, FakeEmbedder):
             made.start()
             return EmbeddingModel(spec.name, made, FakeVocab(), metrics.for_model(spec.name))

@@ -26,6 +26,7 @@ from ferrum.api.anthropic import add_anthropic_routes
 from ferrum.api.auth import Keys, remember
 from ferrum.api.body_text import SurrogateCheck
 from ferrum.api.dialects import error_response
+from ferrum.api.lora_routes import add_lora_routes
 from ferrum.api.ollama import add_ollama_routes
 from ferrum.api.ollama import running as ollama_running
 from ferrum.api.openai.bodies import invalid_request
@@ -174,3 +175,4 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     add_ollama_routes(app, state)
     add_anthropic_routes(app, state)
     add_slots_routes(app, state)
+    add_lora_routes(app, state)

@@ -45,6 +45,12 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.grammars = GrammarBuilder(self.vocab, self.metrics.structured)
+        self.metrics.adapters.name(self.adapters)
+
+    def set_adapters(self, adapters: tuple[LoraAdapter, ...]) -> None:
+        """Its adapters after one was loaded, unloaded or rescaled while it serves."""
+        self.adapters = adapters
+        self.metrics.adapters.name(adapters)
 
     @property
     def alive(self) -> bool:

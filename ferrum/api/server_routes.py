@@ -81,7 +81,7 @@ def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for snap in snapshots:
         for key, value in snap.items():
-            if key == "kv_cache_types":
+            if key in ("kv_cache_types", "lora"):  # a model's own, never added up
                 continue
             if isinstance(value, dict):
                 total[key] = _sum_snapshots([total.get(key, {}), value])

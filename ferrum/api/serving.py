@@ -33,7 +33,7 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.request import AdapterSet, ImageSpan, SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
-from ferrum.models.adapters import adapter_set
+from ferrum.models.adapters import LoraAdapter, adapter_set
 from ferrum.models.pull_workers import PullWorkers
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
@@ -61,6 +61,7 @@ class ServerState:
     split_think: bool = True
     request_timeout: float = 0.0  # --request-timeout; 0: none
     responses_store_bytes: int = 64 * 1024 * 1024  # --responses-store; 0: responses not kept
+    lora_dirs: tuple[str, ...] = ()  # --lora-dir: where an admin may load adapters from
     created: int = 0
 
 
@@ -277,16 +278,26 @@ def request_adapters(
 ) -> AdapterSet:
     """The LoRA set a request decodes with: the adapter its model name picks (`BASE:NAME`)
     and its `lora` entries; a 404 or 400 for an adapter or scale the model cannot serve."""
+    return pick_adapters(model.name, model.adapters, body)
+
+
+def pick_adapters(
+    name: str, adapters: tuple[LoraAdapter, ...], body: ChatCompletionRequest | CompletionRequest
+) -> AdapterSet:
+    """`request_adapters` for model `name` serving `adapters` (a cluster's ingress computes
+    the same set for its route key: `ferrum.cluster.keys`)."""
     listed = [(c.id, c.scale) for c in body.lora or ()]
-    if not model.adapters:
+    if not adapters:
         if listed:
-            raise InvalidRequest(f"model {model.name!r} serves no LoRA adapters", param="lora")
+            raise InvalidRequest(f"model {name!r} serves no LoRA adapters", param="lora")
         return ()
     # The registry resolved `BASE:NAME` (or a bare NAME) to this model, 404 for a NAME it
     # lacks: what is left is which of its adapters the name picks, if any.
     wanted = body.model.rpartition(":")[2]
-    named = next((i for i, a in enumerate(model.adapters) if a.name == wanted), None)
-    return adapter_set(model.adapters, named, listed)
+    named = next((i for i, a in enumerate(adapters) if a.name == wanted and not a.removed), None)
+    if named is None and body.lora is None:  # the scales POST /lora-adapters set (default 0)
+        listed = [(i, a.default) for i, a in enumerate(adapters) if a.default and not a.removed]
+    return adapter_set(adapters, named, listed)
 
 
 def deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> float | None:

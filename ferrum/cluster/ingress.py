@@ -51,6 +51,7 @@ from ferrum.cluster.replica import REPLICA_HEADER, Head, Relayed
 from ferrum.cluster.settings import ClusterSettings
 from ferrum.errors import FerrumError, ServiceUnavailable
 from ferrum.metrics import CONTENT_TYPE
+from ferrum.models.adapters import attach as attach_adapters
 from ferrum.models.catalog import serve_specs
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import Lease
@@ -76,6 +77,7 @@ class Relay:
         models = settings.models
         store = ModelStore(models.models_dir or default_models_dir())
         specs = serve_specs(models.model, store, load_presets(models.presets), models.alias)
+        specs = attach_adapters(specs, models.lora)  # route keys carry the adapter set
         self.keys = key_registry(
             specs,
             settings.server.chat_template,

@@ -7,8 +7,10 @@ its prompt tokens are computed as a replica computes them (`serving.chat_prompt`
 model's template, its vocabulary loaded alone): their chained block hashes are the key the
 prefix router matches against what replicas hold.
 The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
-caller the gate found, the body's `cache_salt` and `--share-prefix-cache`), as a replica's
-prefix index chains it: a prompt only matches blocks its own scope left.
+caller the gate found, the body's `cache_salt` and `--share-prefix-cache`) and its LoRA
+adapter set (`Request.cache_scope`: the `--lora` and preset adapters, as the replica picks
+them), as a replica's prefix index chains it: a prompt only matches blocks its own scope and
+adapters left.
 A body that does not parse gets no hashes (the replica it lands on answers the error), and
 neither does a prompt whose text is too long for the model's context whatever it tokenizes to
 (as `ferrum serve` refuses it before tokenizing): tokenizing megabytes would cost the
@@ -29,10 +31,12 @@ from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.prompting.builtin_templates import resolve_template
 from ferrum.api.prompting.chat_template import ChatFormatter
 from ferrum.api.prompting.tool_request import ToolRequest
-from ferrum.api.serving import chat_prompt
+from ferrum.api.serving import chat_prompt, pick_adapters
 from ferrum.cluster.policy import RouteKey
 from ferrum.engine.kv.prefix import block_hashes
 from ferrum.engine.llama.vocab import VocabularyFile
+from ferrum.engine.request import adapter_scope
+from ferrum.models.adapters import LoraAdapter
 from ferrum.models.registry import ModelSpec, Registry
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -47,6 +51,7 @@ class PromptKeys:
     formatter: ChatFormatter
     system: str
     ctx_size: int  # the replicas' context for this model (the preset's or the server's)
+    adapters: tuple[LoraAdapter, ...] = ()  # its LoRA adapters, ids as the replicas have them
 
     @property
     def max_text_bytes(self) -> int:
@@ -64,7 +69,7 @@ class PromptKeys:
             file.close()
             raise
         ctx = int(spec.preset.engine.get("ctx_size", ctx_size))
-        return cls(spec.name, file, formatter, spec.preset.system, ctx)
+        return cls(spec.name, file, formatter, spec.preset.system, ctx, spec.adapters)
 
     def tokens(self, body: Body) -> list[int]:
         if isinstance(body, CompletionRequest):
@@ -115,9 +120,10 @@ def route_key(keys: PromptKeys, body: Body, block_size: int, scope: str) -> Rout
     if len(prompt_text(body).encode("utf-8", "surrogatepass")) > keys.max_text_bytes:
         return RouteKey(keys.name)  # the replica refuses it before tokenizing: so do we
     try:
+        scope += adapter_scope(pick_adapters(keys.name, keys.adapters, body))
         tokens = keys.tokens(body)
-    except Exception:  # noqa: BLE001 - a template that refuses the chat: the replica says so
-        return RouteKey(keys.name)
+    except Exception:  # noqa: BLE001 - a template that refuses the chat, a bad adapter pick:
+        return RouteKey(keys.name)  # the replica says so
     return RouteKey(keys.name, tuple(block_hashes(tokens, block_size, scope)))
 
 

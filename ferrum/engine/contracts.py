@@ -169,11 +169,27 @@ class KvOps(Protocol):
         ...
 
 
+class AdapterFiles(Protocol):
+    """A model's LoRA adapters, loaded and freed on the engine thread while it serves."""
+
+    def load(self, path: str) -> int:
+        """The next id, for this file; ModelLoadError when llama.cpp refuses it (not an
+        adapter, or one of another base model)."""
+        ...
+
+    def unload(self, adapter_id: int) -> None:
+        """Frees the adapter; its id is never given again."""
+        ...
+
+
 class Runner(KvOps, Protocol):
     """The model's context on the engine thread: decoding, sampling state, KV operations."""
 
     @property
     def info(self) -> ModelInfo: ...
+
+    @property
+    def adapters(self) -> AdapterFiles | None: ...
 
     @property
     def vocab(self) -> Vocabulary: ...

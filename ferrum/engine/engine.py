@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ferrum.engine.adapter_files import AdapterLifetimes
 from ferrum.engine.contracts import BatchItem, ModelInfo, Runner, TokenLogprobs
 from ferrum.engine.kv.ledger import BlockManager, IntegrityError
 from ferrum.engine.kv.prefix import ResidentPrefixes
@@ -77,6 +78,7 @@ class LLMEngine:
         self.stalled = False  # the last step had work but could schedule none of it
         self._finished_stats: list[FinishedRequest] = []
         self._tiers_published: TierStats | None = None
+        self.adapters = AdapterLifetimes(runner.adapters)  # loaded or unloaded while serving
 
     @staticmethod
     def _speculator(
@@ -117,6 +119,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
+        self.adapters.check(params.adapters)
         request = Request(request_id, list(prompt_token_ids), params, images=images)
         self.runner.start_request(request_id, params)
         text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
@@ -132,6 +135,7 @@ class LLMEngine:
         if live is None:
             return None
         self._finish(live, FinishReason.ABORT)
+        self.adapters.collect(self._requests())
         return self._take(live)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
@@ -150,12 +154,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        switches = self.scheduler.turns.switches
         sched = self.scheduler.schedule()
         stats = StepStats(num_tokens=sched.num_tokens, num_sequences=len(sched.chunks))
         stats.preemptions = len(sched.preempted)
         touched: list[_RequestState] = []
         self.stalled = not sched.chunks
         if sched.chunks:
+            stats.adapters = tuple(i for i, _ in sched.chunks[0].request.adapters)
+            stats.adapter_switches = self.scheduler.turns.switches - switches
             self._execute(sched, stats, touched)
         outputs = [self._take(live) for live in touched]
         stats.step_s = time.monotonic() - t0
@@ -163,7 +170,17 @@ class LLMEngine:
         if saved is not None and stats.prompt_tokens_computed:
             saved.costs.prefilled(stats.num_tokens, stats.step_s)
         self.publish_stats(stats)
+        if self.adapters.releasing:  # an unloaded adapter's last request may have finished
+            self.adapters.collect(self._requests())
         return outputs
+
+    def _requests(self) -> list[Request]:
+        return [live.request for live in self._live.values()]
+
+    def release_adapter(self, adapter_id: int) -> list[int]:
+        """Frees the adapter once no request it holds decodes with it (`adapter_files.py`);
+        the ids freed now."""
+        return self.adapters.release(adapter_id, self._requests())
 
     def _execute(
         self, sched: SchedulerOutput, stats: StepStats, touched: list[_RequestState]
@@ -303,6 +320,7 @@ class LLMEngine:
                 latency_s=time.monotonic() - req.arrival_time,
                 ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
                 cached_tokens=req.num_cached_tokens,
+                adapters=tuple(i for i, _ in req.adapters),
             )
         )
 

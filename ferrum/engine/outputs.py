@@ -48,6 +48,7 @@ class FinishedRequest:
     latency_s: float
     ttft_s: float | None
     cached_tokens: int = 0
+    adapters: tuple[int, ...] = ()  # the ids of the LoRA adapters it decoded with
 
 
 @dataclass(slots=True)
@@ -79,6 +80,8 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     mask_seconds: list[float] = field(default_factory=list)  # structured output's token masks
     finished: list[FinishedRequest] = field(default_factory=list)
+    adapters: tuple[int, ...] = ()  # the ids of the LoRA set this step decoded with
+    adapter_switches: int = 0  # 1 when that set differs from the last step's
 
 
 class EngineObserver:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferrum.errors import InvalidRequest
+from ferrum.errors import InvalidRequest, PermissionDenied
 from ferrum.models.errors import ModelNotFound
 
 if TYPE_CHECKING:
@@ -41,6 +42,10 @@ class LoraAdapter:
     name: str
     path: str
     scale: float = 1.0  # when a request names it by `BASE:NAME`
+    # The scale requests that pick no adapter get (llama-server's POST /lora-adapters).
+    default: float = 0.0
+    # Unloaded while serving: its id stays taken (ids never move), nothing may pick it.
+    removed: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,15 +86,20 @@ def attach(specs: Sequence[ModelSpec], flags: Iterable[str]) -> list[ModelSpec]:
     without a base while several models are served, an unknown base or a repeated name."""
     specs = list(specs)
     by_name = {n.lower(): i for i, s in enumerate(specs) for n in (s.name, *s.aliases)}
+    # A preset's adapters first (`presets.py`: checked and on their own model), then flags.
+    given = [(i, text) for i, s in enumerate(specs) for text in s.preset.lora]
     for text in flags:
-        flag = parse_lora_flag(text)
-        if not flag.base and len(specs) != 1:
+        base = parse_lora_flag(text).base
+        if not base and len(specs) != 1:
             raise ValueError(
                 f"--lora {text}: several models are served; name the base as BASE:NAME=PATH"
             )
-        i = by_name.get(flag.base.lower(), -1) if flag.base else 0
+        i = by_name.get(base.lower(), -1) if base else 0
         if i < 0:
-            raise ValueError(f"--lora {text}: no model {flag.base!r} is served")
+            raise ValueError(f"--lora {text}: no model {base!r} is served")
+        given.append((i, text))
+    for i, text in given:
+        flag = parse_lora_flag(text)
         if not os.path.isfile(os.path.expanduser(flag.adapter.path)):
             raise ValueError(f"--lora {text}: file not found: {flag.adapter.path}")
         path = os.path.abspath(os.path.expanduser(flag.adapter.path))
@@ -103,7 +113,7 @@ def attach(specs: Sequence[ModelSpec], flags: Iterable[str]) -> list[ModelSpec]:
 
 def adapter_names(spec: ModelSpec) -> list[str]:
     """The `BASE:NAME` model names of a spec's adapters (for /v1/models and /api/tags)."""
-    return [f"{spec.name}:{a.name}" for a in spec.adapters]
+    return [f"{spec.name}:{a.name}" for a in spec.adapters if not a.removed]
 
 
 def named_adapter(spec: ModelSpec, requested: str) -> int | None:
@@ -116,7 +126,7 @@ def named_adapter(spec: ModelSpec, requested: str) -> int | None:
     if not colon:
         name = requested  # an adapter's bare name, as vLLM serves them
     for i, a in enumerate(spec.adapters):
-        if a.name == name:
+        if a.name == name and not a.removed:
             return i
     wanted = base.lower()
     ours = wanted in (n.lower() for n in (spec.name, *spec.aliases))
@@ -135,10 +145,11 @@ def adapter_set(
     if named is not None:
         chosen[named] = adapters[named].scale
     for i, scale in listed:
-        if not 0 <= i < len(adapters):
+        if not 0 <= i < len(adapters) or adapters[i].removed:
+            live = [f"{j}: {a.name}" for j, a in enumerate(adapters) if not a.removed]
             raise InvalidRequest(
-                f"lora: no adapter id {i}; this model has {len(adapters)} "
-                f"({', '.join(f'{j}: {a.name}' for j, a in enumerate(adapters)) or 'none'})",
+                f"lora: no adapter id {i}; this model has {len(live)} "
+                f"({', '.join(live) or 'none'})",
                 param="lora",
             )
         check_scale(scale, _lora_error, f"lora id {i}")
@@ -148,3 +159,52 @@ def adapter_set(
 
 def _lora_error(message: str) -> InvalidRequest:
     return InvalidRequest(message, param="lora")
+
+
+# What an adapter loaded while serving may be called: it becomes part of model names
+# (`BASE:NAME`) and of metric labels.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_ADAPTERS = 64  # adapters one model may serve at once (each costs memory on every load)
+
+
+def check_new_adapter(adapters: Sequence[LoraAdapter], name: str) -> None:
+    """400 for a name an adapter loaded while serving may not take on these adapters."""
+    if not _NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"lora_name {name!r}: letters, digits, '.', '_' and '-' (at most 64)",
+            param="lora_name",
+        )
+    live = [a for a in adapters if not a.removed]
+    if any(a.name == name for a in live):
+        raise InvalidRequest(f"LoRA adapter {name!r} is already loaded", param="lora_name")
+    if len(live) >= MAX_ADAPTERS:
+        raise InvalidRequest(
+            f"this model serves {MAX_ADAPTERS} LoRA adapters already; unload one first",
+            param="lora_name",
+        )
+
+
+def loadable_path(given: str, folders: Sequence[str], files: Iterable[str]) -> str:
+    """The adapter file an admin names for loading while serving, as a real path: one of
+    `files` (the --lora adapters, and those loaded before) or a file under one of `folders`
+    (the model store, --lora-dir), symbolic links resolved first, so a link or `..` cannot
+    lead elsewhere. 403 for any other path, 400 for no such file. Errors repeat the path as
+    given, never the server's own paths."""
+    if not given or "\0" in given:
+        raise InvalidRequest("lora_path: no adapter file given", param="lora_path")
+    base = folders[0] if folders else os.getcwd()  # a relative path: in the model store
+    real = os.path.realpath(os.path.join(base, given))
+    known = {os.path.realpath(f) for f in files}
+    inside = any(_under(real, os.path.realpath(os.path.expanduser(d))) for d in folders)
+    if real not in known and not inside:
+        raise PermissionDenied(
+            f"lora_path {given!r}: adapters load only from the model store, the --lora files "
+            "and the folders the operator named with --lora-dir"
+        )
+    if not os.path.isfile(real):
+        raise InvalidRequest(f"lora_path {given!r}: no such file", param="lora_path")
+    return real
+
+
+def _under(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder and path != folder

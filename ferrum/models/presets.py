@@ -14,8 +14,12 @@
 
     [models.my-model]
     path = "/models/my-model.gguf"  # a model served from a file, outside the store
+    lora = ["support=adapters/support.gguf@0.8", "sql.gguf"]   # as --lora, on this model
 
-Unknown keys are refused by name, so a typo does not silently do nothing.
+Unknown keys are refused by name, so a typo does not silently do nothing. LoRA adapters may
+also be a table (`[models.my-model.lora]` with `support = "adapters/support.gguf@0.8"`); their
+paths are relative to the presets file, and they take their model's ids before its --lora
+flags'.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ferrum.kv_types import FLASH_ATTN, cell_type
+from ferrum.models.adapters import parse_lora_flag
 from ferrum.models.units import parse_duration
 
 _ENGINE_KEYS: dict[str, type] = {
@@ -47,7 +52,8 @@ _SAMPLING_KEYS = {
     "repetition_penalty": float,
     "seed": int,
 }
-_KEYS = {"path", "chat_template", "aliases", "system", "keep_alive", "sampling", *_ENGINE_KEYS}
+_KEYS = {"path", "chat_template", "aliases", "system", "keep_alive", "sampling", "lora",
+         *_ENGINE_KEYS}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Preset:
     system: str = ""
     keep_alive: float | None = None
     sampling: dict[str, float | int] = field(default_factory=dict)
+    lora: tuple[str, ...] = ()  # NAME=PATH@SCALE, each as a --lora flag on this model
 
 
 def merge(base: Preset, override: Preset) -> Preset:
@@ -72,6 +79,7 @@ def merge(base: Preset, override: Preset) -> Preset:
         system=override.system or base.system,
         keep_alive=base.keep_alive if override.keep_alive is None else override.keep_alive,
         sampling={**base.sampling, **override.sampling},
+        lora=override.lora or base.lora,
     )
 
 
@@ -130,7 +138,29 @@ def _preset(file: str, name: str, table: Any) -> Preset:
         system=_text(where, table, "system"),
         keep_alive=keep_alive,
         sampling={k: _typed(where, k, v, _SAMPLING_KEYS[k]) for k, v in sampling.items()},
+        lora=_lora(where, file, table.get("lora", [])),
     )
+
+
+def _lora(where: str, file: str, value: Any) -> tuple[str, ...]:
+    """The preset's adapters as --lora values NAME=PATH@SCALE, paths made absolute from the
+    presets file's folder; checked as the flag is (a scale, a name, no other base)."""
+    if isinstance(value, dict):
+        value = [f"{name}={entry}" for name, entry in value.items() if isinstance(entry, str)]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where}: lora must be a list of NAME=PATH@SCALE strings or a table")
+    out = []
+    for text in value:
+        try:
+            flag = parse_lora_flag(text)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        if flag.base:
+            raise ValueError(f"{where}: lora {text!r}: a preset's adapters are on its own model")
+        a = flag.adapter
+        path = Path(file).parent / Path(a.path).expanduser()
+        out.append(f"{a.name}={path}@{a.scale!r}")
+    return tuple(out)
 
 
 def _check_kv_keys(where: str, engine: dict[str, int | str]) -> None:

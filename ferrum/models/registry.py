@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from ferrum.errors import FerrumError, ModelLoadError, ServiceUnavailable
@@ -141,6 +141,12 @@ class Registry(Generic[T]):
         elif slot.model is None and slot.loading is None:
             slot.spec = spec
 
+    def set_adapters(self, name: str, adapters: tuple[LoraAdapter, ...]) -> None:
+        """A served model's LoRA adapters after one was loaded, unloaded or rescaled: what
+        requests may pick, and what its next load loads."""
+        slot = self._slots[name]
+        slot.spec = replace(slot.spec, adapters=adapters)
+
     def specs(self) -> list[ModelSpec]:
         return [s.spec for s in self._slots.values()]
 
@@ -182,7 +188,7 @@ class Registry(Generic[T]):
         slot = self._find(base) if colon else None
         if slot is not None:
             return slot if named_adapter(slot.spec, name) is not None else None
-        owners = [s for s in self._slots.values() if any(a.name == name for a in s.spec.adapters)]
+        owners = [s for s in self._slots.values() if named_adapter(s.spec, name) is not None]
         return owners[0] if len(owners) == 1 else None
 
     # -- leases -----------------------------------------------------------------------------

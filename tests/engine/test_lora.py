@@ -5,6 +5,8 @@ alone, and no KV is reused across sets."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ferrum.errors import ModelLoadError
@@ -120,3 +122,55 @@ def test_served_with_lora_flags_the_adapter_equals_its_merge(files, tmp_path):
     by_id = {"model": "tiny", "lora": [{"id": 1, "scale": SCALE}]}
     assert completion(files["base"], flags, by_id) == merged
     assert completion(files["base"], flags, {"model": "tiny"}) != merged
+
+
+def test_an_adapter_loaded_while_serving_equals_its_merge_and_unloads(files, tmp_path):
+    """vLLM's load/unload routes on a real server build: an adapter loaded at runtime (from
+    a --lora-dir folder) answers as the merged model does, a model file is refused with a
+    400, and once unloaded (nothing running) it is freed and no longer picked."""
+    from fastapi.testclient import TestClient
+
+    from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+    from ferrum.server import build_server
+
+    folder = os.path.dirname(files["lora1"])
+    engine_cfg = EngineConfig(ctx_size=512, parallel=2, batch_size=64, threads=2,
+                              cache_ram=0, cache_disk=0)  # fmt: skip
+    models = ModelsConfig(model=(f"tiny={files['base']}",), models_dir=str(tmp_path),
+                          lora=(f"other={files['lora2']}",), lora_dirs=(folder,))  # fmt: skip
+    app = build_server(engine_cfg, ServerConfig(port=9999, open_admin=True), models)[0]
+    request = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with TestClient(app) as client:
+        plain = client.post("/v1/completions", json={**request, "model": "tiny"}).json()
+        load = {"lora_name": "mine", "lora_path": files["lora1"]}
+        r = client.post("/v1/load_lora_adapter", json=load)
+        assert r.status_code == 200 and r.json()["id"] == 1, r.text
+        r = client.post("/v1/completions", json={**request, "model": "tiny", "lora": [
+            {"id": 1, "scale": SCALE}]})  # fmt: skip
+        mine = r.json()["choices"][0]["text"]
+        bad = {"lora_name": "model", "lora_path": files["merged1"]}
+        r = client.post("/v1/load_lora_adapter", json=bad)
+        assert r.status_code == 400 and "not a LoRA adapter" in r.text
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "mine"})
+        assert r.status_code == 200 and r.json()["freed"] is True
+        r = client.post("/v1/completions", json={**request, "model": "tiny:mine"})
+        assert r.status_code == 404
+        again = client.post("/v1/completions", json={**request, "model": "tiny"}).json()
+    assert mine != plain["choices"][0]["text"]
+    assert again["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert mine == _merged_text(files["merged1"], tmp_path, request)
+
+
+def _merged_text(path: str, tmp_path, request: dict) -> str:
+    from fastapi.testclient import TestClient
+
+    from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+    from ferrum.server import build_server
+
+    engine_cfg = EngineConfig(ctx_size=512, parallel=2, batch_size=64, threads=2,
+                              cache_ram=0, cache_disk=0)  # fmt: skip
+    models = ModelsConfig(model=(f"tiny={path}",), models_dir=str(tmp_path))
+    app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={**request, "model": "tiny"})
+        return str(r.json()["choices"][0]["text"])

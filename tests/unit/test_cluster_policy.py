@@ -191,6 +191,7 @@ class _PromptKeys:
 
     name = "m"
     max_text_bytes = 1000
+    adapters: tuple = ()
 
     def __init__(self, tokens: list[int]):
         self._tokens = tokens
@@ -237,3 +238,37 @@ def test_a_prompt_longer_than_the_context_could_hold_is_routed_without_tokenizin
 
     key = route_key(Refuses([]), _completion("x" * 1001), BS, "key:a")  # type: ignore[arg-type]
     assert key.model == "m" and not key.hashes
+
+
+def test_route_keys_carry_the_adapter_set_as_the_replica_does():
+    """A request for an adapter (by name `BASE:NAME` or llama-server's `lora` field) is keyed
+    with its adapter set, as the replica's index chains its blocks: it matches the replica
+    holding its own adapter's blocks, never the base's or another adapter's."""
+    from ferrum.api.openai.bodies import CompletionRequest
+    from ferrum.cluster.keys import route_key
+    from ferrum.models.adapters import LoraAdapter
+
+    text = "a prompt long enough for several blocks"
+    prompt = byte_tokenize(text)
+    keys = _PromptKeys(prompt)
+    keys.adapters = (LoraAdapter("sql", "/a/sql.gguf", 0.5), LoraAdapter("chat", "/a/c.gguf"))
+
+    def held(adapters: tuple) -> set[int]:
+        engine = fake_engine(FakeRunner(), block_size=BS)
+        params = sampling(max_tokens=2, cache_scope="key:a", adapters=adapters)
+        engine.add_request("r", prompt, params, True)
+        while engine.has_work:
+            engine.step()
+        return set(engine.resident_prefixes(1000).hashes)
+
+    def key(**body: object) -> set[int]:
+        request = CompletionRequest.model_validate({"prompt": text, **body})
+        return set(route_key(keys, request, BS, "key:a").hashes)  # type: ignore[arg-type]
+
+    sql, base = held(((0, 0.5),)), held(())
+    assert key(model="m:sql") and key(model="m:sql") <= sql
+    assert key(model="m", lora=[{"id": 0, "scale": 0.5}]) == key(model="m:sql")
+    assert not key(model="m:sql") & base
+    assert key(model="m") <= base and not key(model="m") & sql
+    assert not key(model="m:chat") & sql
+    assert key(model="m", lora=[{"id": 9}]) == set()  # a bad pick: the replica answers it

@@ -24,7 +24,8 @@ import random
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
@@ -34,9 +35,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
+from ferrum.engine.contracts import BatchItem, StepResult
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.outputs import RequestOutput
+from ferrum.engine.request import AdapterSet, adapter_scope
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
@@ -47,6 +50,7 @@ KINDS = ["fresh", "same", "extend", "branch", "turn"]
 # Few tenants for 3 slots: fair admission and preemption for fairness happen all the time.
 TENANTS = ["x", "y", "z"]
 SCOPES = ["", "key:a", "salt:b"]  # cache scopes: no KV may be reused from another one
+_Scope = tuple[str, AdapterSet]  # a request's cache scope and LoRA set
 
 
 class _PumpedAsyncEngine(AsyncEngine):
@@ -83,8 +87,9 @@ class _Client:
     max_tokens: int
     stream: RequestStream
     whole: bool = False  # answered whole: one output, the finished one
-    scope: str = ""
+    scope: str = ""  # its cache scope and its adapter set's (`Request.cache_scope`)
     grammar: str | None = None  # what its output must match (the constrained machine's)
+    adapters: AdapterSet = ()
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hung_up: bool = False
@@ -123,6 +128,7 @@ class EngineMachine(RuleBasedStateMachine):
     """Over the fake runner; subclasses put a real llama.cpp model under the same traffic."""
 
     bos = BOS
+    adapter_sets: tuple[AdapterSet, ...] = ((),)  # the LoRA sets requests draw from
 
     def __init__(self) -> None:
         super().__init__()
@@ -131,9 +137,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.clients: dict[str, _Client] = {}
         # Engine-side news per request, before AsyncEngine drops what hung-up clients miss.
         self.outputs: dict[str, list[RequestOutput]] = {}
-        self.histories: list[tuple[list[int], str]] = []  # every prompt so far, its scope
-        # Prompt + output of requests finished by length, and their scope.
-        self.turns: list[tuple[list[int], str]] = []
+        # Every prompt so far, its scope and adapter set.
+        self.histories: list[tuple[list[int], _Scope]] = []
+        # Prompt + output of requests finished by length, and their scope and adapter set.
+        self.turns: list[tuple[list[int], _Scope]] = []
         self.ids = count()
         self.rejected = 0
 
@@ -154,12 +161,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- drawing ----------------------------------------------------------------------------
 
-    def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], str | None]:
+    def oracle(self, client: _Client, got: list[int]) -> list[int]:
+        """What a finished client's tokens must be (`expected_for` its prompt)."""
+        return self.expected_for(client.prompt, client.max_tokens, got)
+
+    def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], _Scope | None]:
         """A prompt, and the scope of the earlier one it repeats, extends or branches off
         (None: fresh)."""
         tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=30), label="tail")
         kind = data.draw(st.sampled_from(KINDS), label="kind")
-        like: str | None = None
+        like: _Scope | None = None
         if kind == "turn" and self.turns:  # a chat's next turn, often still parked
             conversation, like = data.draw(st.sampled_from(self.turns[-3:]), label="conversation")
             prompt = conversation + tail
@@ -209,8 +220,11 @@ class EngineMachine(RuleBasedStateMachine):
         self, data: st.DataObject, n: int, max_tokens: int, whole: bool, tenant: str, scope: str
     ) -> None:
         prompt, like = self._draw_prompt(data)
+        adapters: AdapterSet = ()
+        if len(self.adapter_sets) > 1:
+            adapters = data.draw(st.sampled_from(self.adapter_sets), label="adapters")
         if like is not None and data.draw(st.booleans(), label="in the earlier one's scope"):
-            scope = like  # most reuse is within a scope: keep those paths busy
+            scope, adapters = like  # most reuse is within a scope: keep those paths busy
         try:
             self.front.check_capacity(n)
         except TooManyRequests:
@@ -221,13 +235,17 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            # n choices: one prompt of one tenant, in one cache scope, one grammar
+            # n choices: one prompt of one tenant, in one cache scope, one grammar, one set
             params = sampling(
-                max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar
-            )
+                max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar,
+                adapters=adapters,
+            )  # fmt: skip
             stream = self.front.submit(rid, prompt, params, True, whole)
-            self.clients[rid] = _Client(rid, prompt, max_tokens, stream, whole, scope, grammar)
-        self.histories.append((prompt, scope))
+            full = scope + adapter_scope(adapters)
+            self.clients[rid] = _Client(
+                rid, prompt, max_tokens, stream, whole, full, grammar, adapters
+            )
+        self.histories.append((prompt, (scope, adapters)))
 
     @precondition(lambda self: self._waiting_ids())
     @rule(data=st.data())
@@ -269,7 +287,8 @@ class EngineMachine(RuleBasedStateMachine):
             if out.finish_reason == "length":
                 tokens = [t for o in outs for t in o.token_ids]
                 client = self.clients[out.request_id]
-                self.turns.append((client.prompt + tokens, client.scope))
+                key_scope = client.scope.removesuffix(adapter_scope(client.adapters))
+                self.turns.append((client.prompt + tokens, (key_scope, client.adapters)))
         for client in self.clients.values():
             client.read()
 
@@ -310,7 +329,7 @@ class EngineMachine(RuleBasedStateMachine):
             c = self.clients[rid]
             tokens = [t for o in outs for t in o.token_ids]
             assert outs[-1].finish_reason == "length"  # the fake model never stops by itself
-            assert tokens == self.expected_for(c.prompt, c.max_tokens, tokens), rid
+            assert tokens == self.oracle(c, tokens), rid
             if not c.hung_up:
                 assert c.tokens == tokens and c.finish_reason == "length", rid
 
@@ -439,3 +458,43 @@ class TieredEngineMachine(EngineMachine):
 
 TieredEngineMachine.TestCase.settings = machine_settings(100)
 TestTieredEngineStateMachine = pytest.mark.slow(TieredEngineMachine.TestCase)
+
+
+# The fake LoRA model: a cell computed under adapter set k holds its token + k × _SET_CODE,
+# so the next token depends on the adapters every resident cell was computed with. A prefix
+# reused across sets, or a decode under the wrong set, changes the output at once.
+_SET_CODE = 1_000
+_SETS: tuple[AdapterSet, ...] = ((), ((0, 1.0),), ((1, 0.5),), ((0, 0.25), (1, 2.0)))
+
+
+class _LoraRunner(FakeRunner):
+    def execute(self, items: Sequence[BatchItem]) -> StepResult:
+        coded = [
+            replace(i, tokens=[t + _SET_CODE * _SETS.index(i.adapters) for t in i.tokens])
+            for i in items
+        ]
+        return super().execute(coded)  # refuses a decode that mixes sets
+
+
+class LoraEngineMachine(EngineMachine):
+    """The same traffic over two adapters, both at once and the base: every request's output
+    is what its prompt alone gives under its own set (the oracle computes every cell under
+    that set), no decode mixes sets (the runner refuses it), and a request reports cached
+    tokens only when one of its own scope and set began the same way."""
+
+    adapter_sets = _SETS
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        runner = _LoraRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        return runner, fake_engine(runner, block_size=8)
+
+    def oracle(self, client: _Client, got: list[int]) -> list[int]:
+        code = _SET_CODE * _SETS.index(client.adapters)
+        history = [t + code for t in client.prompt]
+        for _ in range(client.max_tokens):
+            history.append(default_next_token(history) + code)
+        return [t - code for t in history[len(client.prompt) :]]
+
+
+LoraEngineMachine.TestCase.settings = machine_settings(150)
+TestLoraEngineStateMachine = pytest.mark.slow(LoraEngineMachine.TestCase)

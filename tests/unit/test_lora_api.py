@@ -113,3 +113,53 @@ def test_lora_on_a_model_without_adapters_is_a_400():
         assert r.status_code == 404 and "'base:sql'" in r.json()["error"]["message"]
         # A model name with a tag is still that model (Ollama style).
         assert c.post("/v1/chat/completions", json=_chat("plain:latest")).status_code == 200
+
+
+def _series(c: TestClient, name: str) -> dict[str, float]:
+    """The samples of one /metrics family, by their adapter (or adapter set) label."""
+    found = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('adapter', 1)[1].split('"', 2)[1]] = float(value)
+    return found
+
+
+def test_metrics_and_health_count_requests_tokens_steps_and_switches_by_adapter(one):
+    c, _ = one
+    for model, extra in [
+        ("base", {}),
+        ("base:sql", {}),
+        ("base:sql", {}),
+        ("base", {"lora": [{"id": 0}, {"id": 1, "scale": 0.3}]}),
+    ]:
+        r = c.post("/v1/chat/completions", json=_chat(model, **extra))
+        assert r.status_code == 200, r.text
+    assert _series(c, "ferrum_adapter_requests_total") == {"": 1, "sql": 3, "support": 1}
+    # Each request generated its two tokens; one with two adapters counts under both.
+    assert _series(c, "ferrum_adapter_tokens_generated_total") == {"": 2, "sql": 6, "support": 2}
+    steps = _series(c, "ferrum_adapter_steps_total")
+    assert set(steps) == {"", "sql", "support+sql"}, steps
+    assert sum(steps.values()) >= 8  # prefill and a decode each at least
+    switches = _series_value(c, "ferrum_adapter_switches_total")
+    assert switches == 2  # base → sql, sql → support+sql (one request at a time)
+    lora = c.get("/health").json()["models"]["base"]["lora"]
+    assert lora["adapters"] == [
+        {"id": 0, "name": "support", "requests": 1, "generated_tokens": 2},
+        {"id": 1, "name": "sql", "requests": 3, "generated_tokens": 6},
+    ]
+    assert lora["base"] == {"requests": 1, "generated_tokens": 2} and lora["switches"] == 2
+    assert "lora" not in c.get("/health").json()  # a model's own, never summed
+
+
+def _series_value(c: TestClient, name: str) -> float:
+    lines = [x for x in c.get("/metrics").text.splitlines() if x.startswith(name + "{")]
+    assert len(lines) == 1, lines
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_a_model_without_adapters_shows_no_adapter_series():
+    with _client({"plain": FakeRunner}, {}) as c:
+        assert c.post("/v1/chat/completions", json=_chat("plain")).status_code == 200
+        assert "ferrum_adapter_" not in c.get("/metrics").text
+        assert c.get("/health").json()["models"]["plain"]["lora"]["adapters"] == []

@@ -78,3 +78,55 @@ def test_lora_scaled_needs_a_number(files, capsys):
     with pytest.raises(SystemExit):
         _lora("--lora-scaled", files["a"], "big")
     assert "not a number" in capsys.readouterr().err
+
+
+def _preset_specs(tmp_path, body: str) -> list[ModelSpec]:
+    from ferrum.models.presets import load_presets
+
+    (tmp_path / "presets.toml").write_text(body)
+    presets = load_presets(str(tmp_path / "presets.toml"))
+    return [ModelSpec(n, lambda: "", preset=presets.get(n, Preset())) for n in ("base", "other")]
+
+
+def test_a_presets_adapters_are_its_models_first_ids_paths_from_the_file(files, tmp_path):
+    body = """
+[models.base]
+lora = ["support=a.gguf@0.5", "b.gguf"]
+[models.other.lora]
+sql = "c.gguf@2"
+"""
+    base, other = attach(_preset_specs(tmp_path, body), [f"base:late={files['c']}"])
+    assert base.adapters == (
+        LoraAdapter("support", files["a"], 0.5),  # relative to the presets file
+        LoraAdapter("b", files["b"], 1.0),
+        LoraAdapter("late", files["c"], 1.0),  # the flags' after the preset's
+    )
+    assert other.adapters == (LoraAdapter("sql", files["c"], 2.0),)
+
+
+@pytest.mark.parametrize(
+    ("lora", "words"),
+    [
+        ('["x=a.gguf@nan"]', "finite"),
+        ('["x=a.gguf@1e9"]', "finite"),
+        ('["other:x=a.gguf"]', "own model"),
+        ('"a.gguf"', "list"),
+        ("[1]", "list"),
+    ],
+)
+def test_bad_preset_adapters_are_refused_naming_the_file_and_model(files, tmp_path, lora, words):
+    with pytest.raises(ValueError, match=words) as info:
+        _preset_specs(tmp_path, f"[models.base]\nlora = {lora}\n")
+    assert "presets file" in str(info.value) and "'base'" in str(info.value)
+
+
+def test_a_preset_adapter_file_that_is_missing_is_refused_at_start(files, tmp_path):
+    specs = _preset_specs(tmp_path, '[models.base]\nlora = ["x=nope.gguf"]\n')
+    with pytest.raises(ValueError, match="file not found"):
+        attach(specs, [])
+
+
+def test_lora_dir_is_repeatable_and_off_by_default():
+    parsed = make_parser().parse_args(["serve", "--lora-dir", "/a", "--lora-dir", "/b"])
+    assert _build(ModelsConfig, parsed).lora_dirs == ("/a", "/b")
+    assert _build(ModelsConfig, make_parser().parse_args(["serve"])).lora_dirs == ()

@@ -43,7 +43,13 @@ def test_the_documented_example_parses_as_documented(tmp_path: Path) -> None:
             keep_alive=600.0,
             sampling={"temperature": 0.2, "max_tokens": 256},
         ),
-        "my-model": Preset(path="/models/my-model.gguf"),
+        "my-model": Preset(
+            path="/models/my-model.gguf",
+            lora=(
+                f"support={tmp_path / 'adapters' / 'support.gguf'}@0.8",
+                f"sql={tmp_path / 'sql.gguf'}@1.0",
+            ),
+        ),
     }
 
 

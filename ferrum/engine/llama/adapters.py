@@ -8,6 +8,8 @@ set), and the set is only sent to llama.cpp when it changes.
 
 Ids are the adapters' indices in the order they were given (llama-server's numbering); an
 adapter set is a tuple of (id, scale), sorted by id, with no zero scale (empty: the base).
+An adapter loaded while serving takes the next id; one unloaded leaves its id empty (an
+empty path at start), so the ids of the others never move.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ log = logging.getLogger("ferrum.llama")
 class LoraAdapters:
     """The adapters loaded for one model, in id order; the set last put on the context."""
 
-    def __init__(self, model: Any, paths: Sequence[str]):
-        self._handles: list[Any] = []
+    def __init__(self, model: Any, paths: Sequence[str], ctx: Any = None):
+        self._model, self._ctx = model, ctx
+        self._handles: list[Any] = []  # None: an id whose adapter was unloaded
         self._current: AdapterSet = ()
         try:
             for path in paths:
-                self._handles.append(_load(model, path))
+                self._handles.append(_load(model, path) if path else None)
         except Exception:
             self.free()
             raise
@@ -47,7 +50,7 @@ class LoraAdapters:
         if adapters == self._current:
             return False
         n = len(adapters)
-        if any(not 0 <= i < len(self._handles) for i, _ in adapters):
+        if any(not 0 <= i < len(self._handles) or not self._handles[i] for i, _ in adapters):
             raise ValueError(f"adapter set {adapters} names an adapter not loaded")
         if n == 0:
             rc = ll.llama_set_adapters_lora(ctx, None, 0, None)
@@ -60,10 +63,27 @@ class LoraAdapters:
         self._current = adapters
         return True
 
+    def load(self, path: str) -> int:
+        """Loads one more adapter (ModelLoadError when llama.cpp refuses it); its id."""
+        self._handles.append(_load(self._model, path))
+        return len(self._handles) - 1
+
+    def unload(self, adapter_id: int) -> None:
+        """Frees one adapter; its id stays empty. The context lets go of it first: it keeps
+        the set last given, and its next decode would read the freed adapter."""
+        handle = self._handles[adapter_id]
+        if handle is None:
+            return
+        if any(i == adapter_id for i, _ in self._current):
+            self.use(self._ctx, ())
+        self._handles[adapter_id] = None
+        ll.llama_adapter_lora_free(handle)
+
     def free(self) -> None:
         """Frees every adapter (after the context that used them, before their model)."""
         for handle in self._handles:
-            ll.llama_adapter_lora_free(handle)
+            if handle is not None:
+                ll.llama_adapter_lora_free(handle)
         self._handles = []
         self._current = ()
 

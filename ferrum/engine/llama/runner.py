@@ -101,7 +101,7 @@ class LlamaRunner:
         self._vocab = LlamaVocab(self._model)
         try:
             self._init_context(config)
-            self._adapters = LoraAdapters(self._model, lora_paths)  # ids: their order here
+            self._adapters = LoraAdapters(self._model, lora_paths, self._ctx)  # ids: this order
             if mmproj:
                 self._open_projector(mmproj, config)
         except Exception:
@@ -116,6 +116,10 @@ class LlamaRunner:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def adapters(self) -> LoraAdapters | None:
+        return self._adapters
 
     @property
     def vocab(self) -> LlamaVocab:

@@ -1,0 +1,154 @@
+"""LoRA adapters changed while serving: llama-server's `GET/POST /lora-adapters` and vLLM's
+`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+
+Listing is for every caller (a path shows as its file name only: the server's folders are
+not the caller's business); every change is an admin's (`require_admin`), as loading and
+unloading models are. A load takes the next id (ids never move: llama-server's clients pick
+adapters by id) and reads only files the operator allowed (`loadable_path`); llama.cpp
+refuses an adapter of another base model, a 400. An unload stops new requests from picking
+the adapter at once; the engine frees it when the last request using it is done
+(`ferrum.engine.adapter_files`). Changes go to the registry's spec as well as the loaded
+model, so a reload serves the same adapters under the same ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from ferrum.api.auth import require_admin
+from ferrum.api.loaded import ServedModel
+from ferrum.api.openai.bodies import LoraChoice
+from ferrum.api.openai.routes import route
+from ferrum.api.serving import ServerState, acquire_chat
+from ferrum.errors import InvalidRequest, ModelLoadError, NotFound
+from ferrum.models.adapters import LoraAdapter, adapter_set, check_new_adapter, loadable_path
+from ferrum.models.registry import ModelSpec
+
+__all__ = ["add_lora_routes"]
+
+
+class LoadAdapter(BaseModel):
+    """vLLM's body; `model` (ferrum's): the base when several models are served (else a
+    `BASE:NAME` lora_name, else the default model)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: Annotated[str, Field(max_length=200)]
+    lora_path: Annotated[str, Field(max_length=4096)] = ""
+    model: str = ""
+
+
+def add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    lock = asyncio.Lock()  # one change at a time: ids are handed out in order
+
+    @route(app, "GET", "/lora-adapters")
+    async def list_adapters(model: str = "") -> list[dict[str, Any]]:
+        """llama-server's list: id, path (the file name) and the scale requests that pick
+        no adapter get; ferrum adds its name and base model."""
+        spec = state.models.resolve(model)
+        return [
+            {"id": i, "path": os.path.basename(a.path), "scale": a.default, "name": a.name,
+             "model": spec.name}  # fmt: skip
+            for i, a in enumerate(spec.adapters)
+            if not a.removed
+        ]
+
+    @route(app, "POST", "/lora-adapters")
+    async def set_default_scales(
+        body: Annotated[list[LoraChoice], Field(max_length=64)], request: Request, model: str = ""
+    ) -> dict[str, Any]:
+        """llama-server's: the scales of requests that pick no adapter (unlisted: 0)."""
+        require_admin(request, "setting LoRA scales")
+        async with lock:
+            lease = await acquire_chat(state, request, model)
+            try:
+                served = lease.model
+                chosen = dict(adapter_set(served.adapters, None, [(c.id, c.scale) for c in body]))
+                new = tuple(
+                    dataclasses.replace(a, default=chosen.get(i, 0.0))
+                    for i, a in enumerate(served.adapters)
+                )
+                _publish(state, served, new)
+            finally:
+                lease.release()
+        return {"success": True}
+
+    @route(app, "POST", "/v1/load_lora_adapter")
+    async def load_adapter(body: LoadAdapter, request: Request) -> dict[str, Any]:
+        require_admin(request, "loading a LoRA adapter")
+        spec, name = _base_of(state, body)
+        async with lock:
+            lease = await acquire_chat(state, request, spec.name)
+            try:
+                return await _load(state, lease.model, name, body.lora_path)
+            finally:
+                lease.release()
+
+    @route(app, "POST", "/v1/unload_lora_adapter")
+    async def unload_adapter(body: LoadAdapter, request: Request) -> dict[str, Any]:
+        require_admin(request, "unloading a LoRA adapter")
+        spec, name = _base_of(state, body)
+        async with lock:
+            lease = await acquire_chat(state, request, spec.name)
+            try:
+                return await _unload(state, lease.model, name)
+            finally:
+                lease.release()
+
+
+def _base_of(state: ServerState, body: LoadAdapter) -> tuple[ModelSpec, str]:
+    """The base model a load or unload is for, and the adapter's own name."""
+    base, colon, name = body.lora_name.rpartition(":")
+    if body.model:
+        return state.models.resolve(body.model), body.lora_name
+    spec = state.models.lookup(base) if colon else None
+    if spec is not None:
+        return spec, name
+    return state.models.resolve(""), body.lora_name
+
+
+async def _load(state: ServerState, served: ServedModel, name: str, given: str) -> dict[str, Any]:
+    check_new_adapter(served.adapters, name)
+    folders = [str(state.store.root)] if state.store is not None else []
+    folders += list(state.lora_dirs)
+    known = [a.path for s in state.models.specs() for a in s.adapters]
+    path = loadable_path(given, folders, known)
+    core = served.engine.core
+    try:
+        i = await served.engine.on_engine_thread(lambda: core.adapters.load(path))
+    except ModelLoadError:
+        # llama.cpp's refusal: not an adapter, or one of another base model.
+        raise InvalidRequest(
+            f"lora_path {given!r} is not a LoRA adapter of model {served.name!r} (another "
+            "base model, or not an adapter GGUF)",
+            param="lora_path",
+        ) from None
+    if i != len(served.adapters):  # ids out of step: never serve one under another's id
+        await served.engine.on_engine_thread(lambda: core.release_adapter(i))
+        raise InvalidRequest(f"LoRA adapter {name!r} could not be numbered; try again")
+    _publish(state, served, (*served.adapters, LoraAdapter(name, path)))
+    return {"id": i, "name": f"{served.name}:{name}", "path": os.path.basename(path)}
+
+
+async def _unload(state: ServerState, served: ServedModel, name: str) -> dict[str, Any]:
+    live = [i for i, a in enumerate(served.adapters) if a.name == name and not a.removed]
+    if not live:
+        raise NotFound(f"model {served.name!r} serves no LoRA adapter {name!r}")
+    i = live[0]
+    removed = dataclasses.replace(served.adapters[i], removed=True)
+    _publish(state, served, (*served.adapters[:i], removed, *served.adapters[i + 1 :]))
+    core = served.engine.core
+    freed = await served.engine.on_engine_thread(lambda: core.release_adapter(i))
+    # Freed now, or when the last request using it is done.
+    return {"id": i, "name": f"{served.name}:{name}", "freed": i in freed}
+
+
+def _publish(state: ServerState, served: ServedModel, adapters: tuple[LoraAdapter, ...]) -> None:
+    """The adapters requests may pick now, on the loaded model and for its next load."""
+    served.set_adapters(adapters)
+    state.models.set_adapters(served.name, adapters)
