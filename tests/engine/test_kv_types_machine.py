@@ -23,7 +23,7 @@ class QuantizedCacheMachine(SlidingWindowMachine):
 @pytest.mark.slow  # minutes: flash attention over q8_0 cells costs more on a CPU than f16
 def test_quantized_cache_state_machine(llama32: str) -> None:  # noqa: F811 - the fixture
     path = QuantizedCacheMachine.path = llama32
-    QuantizedCacheMachine.oracle = _Oracle(path, **Q8)
+    QuantizedCacheMachine.alone = _Oracle(path, **Q8)
     try:
         machine = QuantizedCacheMachine.TestCase()
         machine.settings = settings(
@@ -34,4 +34,4 @@ def test_quantized_cache_state_machine(llama32: str) -> None:  # noqa: F811 - th
         )
         machine.runTest()
     finally:
-        QuantizedCacheMachine.oracle.engine.runner.close()
+        QuantizedCacheMachine.alone.engine.runner.close()
