@@ -4,8 +4,9 @@
 Listing is for every caller (a path shows as its file name only: the server's folders are
 not the caller's business); every change is an admin's (`require_admin`), as loading and
 unloading models are. A load takes the next id (ids never move: llama-server's clients pick
-adapters by id) and reads only files the operator allowed (`loadable_path`); llama.cpp
-refuses an adapter of another base model, a 400. An unload stops new requests from picking
+adapters by id) and reads only files the operator allowed (`loadable_path`, in a worker
+thread, so a slow disk stalls no other request); llama.cpp refuses an adapter of another
+base model, a 400. An unload stops new requests from picking
 the adapter at once; the engine frees it when the last request using it is done
 (`ferrum.engine.adapter_files`). Changes go to the registry's spec as well as the loaded
 model, so a reload serves the same adapters under the same ids.
@@ -117,7 +118,8 @@ async def _load(state: ServerState, served: ServedModel, name: str, given: str) 
     folders = [str(state.store.root)] if state.store is not None else []
     folders += list(state.lora_dirs)
     known = [a.path for s in state.models.specs() for a in s.adapters]
-    path = loadable_path(given, folders, known)
+    # Stats and link resolution: a slow disk stalls this load, not the event loop.
+    path = await asyncio.to_thread(loadable_path, given, folders, known)
     core = served.engine.core
     try:
         i = await served.engine.on_engine_thread(lambda: core.adapters.load(path))
