@@ -4,8 +4,9 @@
 Listing is for every caller (a path shows as its file name only: the server's folders are
 not the caller's business); every change is an admin's (`require_admin`), as loading and
 unloading models are. A load takes the next id (ids never move: llama-server's clients pick
-adapters by id) and reads only files the operator allowed (`loadable_path`, in a worker
-thread, so a slow disk stalls no other request); llama.cpp refuses an adapter of another
+adapters by id) and reads only files the operator allowed (`loadable_path`); its checks
+and the file's digest (`file_digest`, part of its requests' cache scope) run in a worker
+thread, so a slow disk stalls no other request. llama.cpp refuses an adapter of another
 base model, a 400. An unload stops new
 requests from picking the adapter at once; the engine frees it when the last request using
 it is done (`ferrum.engine.adapter_files`). Changes go to the registry's spec as well as the loaded
@@ -33,6 +34,7 @@ from ferrum.models.adapters import (
     LoraAdapter,
     adapter_set,
     check_new_adapter,
+    file_digest,
     loadable_path,
 )
 from ferrum.models.registry import ModelSpec
@@ -143,8 +145,8 @@ async def _load(
     folders = [str(state.store.root)] if state.store is not None else []
     folders += list(state.lora_dirs)
     known = [a.path for s in state.models.specs() for a in s.adapters]
-    # Stats and link resolution: a slow disk stalls this load, not the event loop.
-    path = await asyncio.to_thread(loadable_path, given, folders, known)
+    # Stats, links and the file's digest: a slow disk stalls this load, not the event loop.
+    path, digest = await asyncio.to_thread(_checked, given, folders, known)
     core = served.engine.core
     try:
         i = await served.engine.on_engine_thread(lambda: core.adapters.load(path))
@@ -158,7 +160,7 @@ async def _load(
     if i != len(served.adapters):  # ids out of step: never serve one under another's id
         await served.engine.on_engine_thread(lambda: core.release_adapter(i))
         raise InvalidRequest(f"LoRA adapter {name!r} could not be numbered; try again")
-    _publish(state, served, (*served.adapters, LoraAdapter(name, path)))
+    _publish(state, served, (*served.adapters, LoraAdapter(name, path, digest=digest)))
     return {"id": i, "name": f"{served.name}:{name}", "path": os.path.basename(path)}
 
 
@@ -175,6 +177,12 @@ async def _unload(
     freed = await served.engine.on_engine_thread(lambda: core.release_adapter(i))
     # Freed now, or when the last request using it is done.
     return {"id": i, "name": f"{served.name}:{name}", "freed": i in freed}
+
+
+def _checked(given: str, folders: list[str], known: list[str]) -> tuple[str, str]:
+    """The file a load may read (`loadable_path`) and its digest (`file_digest`)."""
+    path = loadable_path(given, folders, known)
+    return path, file_digest(path)
 
 
 def _publish(state: ServerState, served: ServedModel, adapters: tuple[LoraAdapter, ...]) -> None:
