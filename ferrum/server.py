@@ -38,6 +38,7 @@ from ferrum.models.presets import load_presets
 from ferrum.models.projectors import attach as attach_projectors
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
+from ferrum.models.store_adapters import attach_stored
 from ferrum.models.units import parse_duration, parse_size
 from ferrum.server_metrics import ServerMetrics
 
@@ -240,6 +241,7 @@ def build_server(
     )
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets), models_cfg.alias)
     specs = attach_adapters(specs, models_cfg.lora)
+    specs = attach_stored(specs, store.list())
     specs = attach_projectors(specs, models_cfg.mmproj)
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.

@@ -4,10 +4,11 @@
 Listing is for every caller (a path shows as its file name only: the server's folders are
 not the caller's business); every change is an admin's (`require_admin`), as loading and
 unloading models are. A load takes the next id (ids never move: llama-server's clients pick
-adapters by id) and reads only files the operator allowed (`loadable_path`); its checks
-and the file's digest (`file_digest`, part of its requests' cache scope) run in a worker
-thread, so a slow disk stalls no other request. llama.cpp refuses an adapter of another
-base model, a 400. An unload stops new
+adapters by id) and reads only files the operator allowed (`loadable_path`), or a stored
+adapter named by its store name; its checks and the file's digest (`file_digest`, part of
+its requests' cache scope) run in a worker thread, so a slow disk stalls no other request.
+A stored adapter made for another base model is a 400 naming it (`store_adapters`), and
+llama.cpp refuses any other adapter of another base model, a 400. An unload stops new
 requests from picking the adapter at once; the engine frees it when the last request using
 it is done (`ferrum.engine.adapter_files`). Changes go to the registry's spec as well as the loaded
 model, so a reload serves the same adapters under the same ids.
@@ -38,6 +39,8 @@ from ferrum.models.adapters import (
     loadable_path,
 )
 from ferrum.models.registry import ModelSpec
+from ferrum.models.store import ModelStore
+from ferrum.models.store_adapters import check_base, stored_adapter
 
 __all__ = ["add_lora_routes"]
 
@@ -146,7 +149,8 @@ async def _load(
     folders += list(state.lora_dirs)
     known = [a.path for s in state.models.specs() for a in s.adapters]
     # Stats, links and the file's digest: a slow disk stalls this load, not the event loop.
-    path, digest = await asyncio.to_thread(_checked, given, folders, known)
+    spec = state.models.resolve(served.name)
+    path, digest = await asyncio.to_thread(_checked, state.store, spec, given, (folders, known))
     core = served.engine.core
     try:
         i = await served.engine.on_engine_thread(lambda: core.adapters.load(path))
@@ -179,9 +183,21 @@ async def _unload(
     return {"id": i, "name": f"{served.name}:{name}", "freed": i in freed}
 
 
-def _checked(given: str, folders: list[str], known: list[str]) -> tuple[str, str]:
-    """The file a load may read (`loadable_path`) and its digest (`file_digest`)."""
+def _checked(
+    store: ModelStore | None, spec: ModelSpec, given: str, allowed: tuple[list[str], list[str]]
+) -> tuple[str, str]:
+    """The file a load may read (`loadable_path` of the `allowed` folders and files; a
+    stored adapter's by its store name too), checked against its base when the store has it,
+    and its digest (`file_digest`)."""
+    folders, known = allowed
+    manifests = store.list() if store is not None else []
+    named = stored_adapter(manifests, given, "")
+    if named is not None:  # by its store name: its file
+        given, known = named.files[0], [*known, named.files[0]]
     path = loadable_path(given, folders, known)
+    stored = named or stored_adapter(manifests, given, path)
+    if stored is not None:
+        check_base(stored, spec)
     return path, file_digest(path)
 
 
