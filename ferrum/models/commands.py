@@ -108,6 +108,7 @@ def _show(args: argparse.Namespace) -> int:
     m = _store(args).resolve(args.name)
     facts = [
         ("name", m.name),
+        *([("LoRA adapter of", m.base)] if m.base is not None else []),
         ("source", m.source),
         ("architecture", m.architecture or "-"),
         ("context length", str(m.context_length or "-")),

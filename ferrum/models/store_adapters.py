@@ -11,7 +11,10 @@ does not name is a 400 that says which base it needs (`check_base`).
 
 A base names a model as the store, the Hub or the GGUF's metadata spell it: it matches a
 served model's name or alias regardless of case, its `:TAG` (quantization) and a `-GGUF`
-suffix left out of both, so `org/Model` is the base of `org/Model-GGUF:Q4_K_M`.
+suffix left out of both, so `org/Model` is the base of `org/Model-GGUF:Q4_K_M`; a served
+name without an organization (a built-in's, a file's stem) matches the base's repository
+name alone, so `HuggingFaceTB/SmolLM2-135M-Instruct` is the base of the built-in
+`smollm2-135m-instruct`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ def listed_name(manifest: Manifest) -> str:
 
 def base_matches(base: str, spec: ModelSpec) -> bool:
     wanted = _plain(base)
-    return any(_plain(n) == wanted for n in (spec.name, *spec.aliases))
+    for name in (_plain(n) for n in (spec.name, *spec.aliases)):
+        if name == wanted or ("/" not in name and name == wanted.rpartition("/")[2]):
+            return True
+    return False
 
 
 def _plain(name: str) -> str:

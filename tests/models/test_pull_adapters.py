@@ -65,6 +65,8 @@ def test_ferrum_list_shows_an_adapter_as_base_colon_adapter(
     names = {r[0]: r[-1] for r in rows[1:]}
     assert names["mine:bot"] == "bot"  # listed as served, with the name to rm it by
     assert BASE_NAME in names
+    code, out = _run(capsys, "show", "bot", *d)
+    assert code == 0 and "LoRA adapter of mine" in out
 
 
 def _server(store: ModelStore, tmp_path: Path, model: tuple[str, ...] = ()):
