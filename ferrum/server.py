@@ -29,6 +29,7 @@ from ferrum.engine.turns import Party, Turns
 from ferrum.errors import ModelLoadError
 from ferrum.kv_types import check_head_sizes, check_kv_settings
 from ferrum.models.adapters import attach as attach_adapters
+from ferrum.models.adapters import with_digests
 from ferrum.models.catalog import serve_specs
 from ferrum.models.errors import InvalidModelFile
 from ferrum.models.gguf_file import read_gguf
@@ -37,6 +38,7 @@ from ferrum.models.presets import load_presets
 from ferrum.models.projectors import attach as attach_projectors
 from ferrum.models.registry import ModelSpec, Registry
 from ferrum.models.store import ModelStore, default_models_dir
+from ferrum.models.store_adapters import attach_stored
 from ferrum.models.units import parse_duration, parse_size
 from ferrum.server_metrics import ServerMetrics
 
@@ -129,7 +131,10 @@ class _Loader:
         )
 
     def _chat(self, spec: ModelSpec, cfg: EngineConfig, path: str, kv_cell: int) -> ServedModel:
-        lora = ["" if a.removed else a.path for a in spec.adapters]  # ids never move
+        # Hashed as llama.cpp loads them: a file replaced since the last load is another
+        # adapter, whose requests must not reuse the old one's KV (the disk tier keeps it).
+        adapters = with_digests(spec.adapters)
+        lora = ["" if a.removed else a.path for a in adapters]  # ids never move
         runner = LlamaRunner(cfg, path, lora, kv_bytes_per_cell=kv_cell, mmproj=spec.mmproj)
         info = runner.info
         try:
@@ -168,7 +173,7 @@ class _Loader:
             system=spec.preset.system,
             close_runner=runner.close,
             preparer=self.preparer,
-            adapters=spec.adapters,
+            adapters=adapters,
             images=runner.images,
         )
         if cfg.pooling:  # a second context on the same (memory-mapped) weights
@@ -236,6 +241,7 @@ def build_server(
     )
     specs = serve_specs(models_cfg.model, store, load_presets(models_cfg.presets), models_cfg.alias)
     specs = attach_adapters(specs, models_cfg.lora)
+    specs = attach_stored(specs, store.list())
     specs = attach_projectors(specs, models_cfg.mmproj)
     metrics = ServerMetrics()
     # At most this many loads and unloads at once; more wait their turn.
@@ -272,7 +278,9 @@ def build_server(
     if not state.keys.required:
         log.warning(
             "no API key: every client that can reach %s:%d may use the server%s (set "
-            "--api-key and --admin-key, or --keys-file)", server_cfg.host, server_cfg.port,
+            "--api-key and --admin-key, or --keys-file)",
+            server_cfg.host,
+            server_cfg.port,
             " and change its models (--open-admin)" if server_cfg.open_admin else "",
         )
     names = ", ".join(s.name for s in specs)

@@ -304,14 +304,23 @@ def lora_factors(seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return factors
 
 
-def write_tiny_lora(path: pathlib.Path, seed: int = 1, arch: str = "llama") -> pathlib.Path:
+def write_tiny_lora(
+    path: pathlib.Path, seed: int = 1, arch: str = "llama", base: str | None = None
+) -> pathlib.Path:
     """Write a LoRA adapter GGUF of the tiny llama, as llama.cpp's loader reads one:
     general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per weight W the
-    tensors `W.lora_a` (ggml {in, rank}) and `W.lora_b` (ggml {rank, out})."""
+    tensors `W.lora_a` (ggml {in, rank}) and `W.lora_b` (ggml {rank, out}). `base`: the Hub
+    repository ("org/repo") written as its base model, as convert_lora_to_gguf.py does."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_type(gguf.GGUFType.ADAPTER)
+    if base is not None:
+        org, _, name = base.rpartition("/")
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, name)
+        writer.add_base_model_organization(0, org)
+        writer.add_base_model_repo_url(0, f"https://huggingface.co/{base}")
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, LORA_ALPHA)
     tensors = {}

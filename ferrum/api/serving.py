@@ -33,7 +33,7 @@ from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.request import AdapterSet, ImageSpan, SamplingParams
 from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
-from ferrum.models.adapters import LoraAdapter, adapter_set
+from ferrum.models.adapters import LoraAdapter, adapter_set, files_scope
 from ferrum.models.pull_workers import PullWorkers
 from ferrum.models.registry import Lease, Registry
 from ferrum.models.store import ModelStore
@@ -258,11 +258,11 @@ def submit(
         raise type(exc)(exc.message, param="messages") from None
     params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
+    adapters = request_adapters(model, body)  # KV is scoped by their files too
+    scope = cache_scope(caller, body.cache_salt, state.share_prefix_cache)
+    scope += files_scope(model.adapters, adapters)
     params = dataclasses.replace(
-        params,
-        cache_scope=cache_scope(caller, body.cache_salt, state.share_prefix_cache),
-        tenant=caller.tenant or request_id,
-        adapters=request_adapters(model, body),
+        params, cache_scope=scope, tenant=caller.tenant or request_id, adapters=adapters
     )
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]

@@ -56,6 +56,7 @@ from ferrum.models.catalog import serve_specs
 from ferrum.models.presets import load_presets
 from ferrum.models.registry import Lease
 from ferrum.models.store import ModelStore, default_models_dir
+from ferrum.models.store_adapters import attach_stored
 from ferrum.models.units import parse_duration
 from ferrum.server_metrics import merge_replica_metrics
 from ferrum.web import page_answer, read_static
@@ -78,6 +79,7 @@ class Relay:
         store = ModelStore(models.models_dir or default_models_dir())
         specs = serve_specs(models.model, store, load_presets(models.presets), models.alias)
         specs = attach_adapters(specs, models.lora)  # route keys carry the adapter set
+        specs = attach_stored(specs, store.list())
         self.keys = key_registry(
             specs,
             settings.server.chat_template,

@@ -9,7 +9,8 @@ prefix router matches against what replicas hold.
 The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
 caller the gate found, the body's `cache_salt` and `--share-prefix-cache`) and its LoRA
 adapter set (`Request.cache_scope`: the `--lora` and preset adapters, as the replica picks
-them), as a replica's prefix index chains it: a prompt only matches blocks its own scope and
+them, and their files' digests, `models.adapters.files_scope`), as a replica's prefix index
+chains it: a prompt only matches blocks its own scope and
 adapters left.
 A body that does not parse gets no hashes (the replica it lands on answers the error), and
 neither does a prompt whose text is too long for the model's context whatever it tokenizes to
@@ -36,7 +37,7 @@ from ferrum.cluster.policy import RouteKey
 from ferrum.engine.kv.prefix import block_hashes
 from ferrum.engine.llama.vocab import VocabularyFile
 from ferrum.engine.request import adapter_scope
-from ferrum.models.adapters import LoraAdapter
+from ferrum.models.adapters import LoraAdapter, files_scope, with_digests
 from ferrum.models.registry import ModelSpec, Registry
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -69,7 +70,8 @@ class PromptKeys:
             file.close()
             raise
         ctx = int(spec.preset.engine.get("ctx_size", ctx_size))
-        return cls(spec.name, file, formatter, spec.preset.system, ctx, spec.adapters)
+        adapters = with_digests(spec.adapters)  # the files as the replicas load them
+        return cls(spec.name, file, formatter, spec.preset.system, ctx, adapters)
 
     def tokens(self, body: Body) -> list[int]:
         if isinstance(body, CompletionRequest):
@@ -120,7 +122,8 @@ def route_key(keys: PromptKeys, body: Body, block_size: int, scope: str) -> Rout
     if len(prompt_text(body).encode("utf-8", "surrogatepass")) > keys.max_text_bytes:
         return RouteKey(keys.name)  # the replica refuses it before tokenizing: so do we
     try:
-        scope += adapter_scope(pick_adapters(keys.name, keys.adapters, body))
+        chosen = pick_adapters(keys.name, keys.adapters, body)
+        scope += files_scope(keys.adapters, chosen) + adapter_scope(chosen)  # as a replica's
         tokens = keys.tokens(body)
     except Exception:  # noqa: BLE001 - a template that refuses the chat, a bad adapter pick:
         return RouteKey(keys.name)  # the replica says so

@@ -13,11 +13,19 @@ A request picks adapters by model name `BASE:NAME` (vLLM/SGLang style: that adap
 default scale) or by llama-server's `lora: [{"id": 0, "scale": 1.0}]` (several at once;
 listed ids override the name's). The set it decodes with (`AdapterSet`) is sorted by id,
 without zero scales: a request whose scales are all 0 decodes with the base.
+
+KV computed under an adapter is wrong under any other file, and an id alone does not say
+which file: a restarted server numbers its `--lora` files from 0 again (its disk tier keeps
+the KV of the last run's), and a file may be replaced in place before its model reloads. So
+each adapter carries its file's `digest` (its content, hashed when its model loads or when
+it is loaded while serving, in a worker thread), and a request's cache scope names the
+digests of the files it decodes with (`files_scope`) beside their ids and scales.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -46,6 +54,8 @@ class LoraAdapter:
     default: float = 0.0
     # Unloaded while serving: its id stays taken (ids never move), nothing may pick it.
     removed: bool = False
+    # The file's content as llama.cpp loaded it (`file_digest`); "" until it is hashed.
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,3 +218,29 @@ def loadable_path(given: str, folders: Sequence[str], files: Iterable[str]) -> s
 
 def _under(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder and path != folder
+
+
+def file_digest(path: str) -> str:
+    """An adapter file's identity: a hash of all its bytes (an adapter is small next to its
+    model, and two fine-tunes of one base differ in their tensors, not their headers); ""
+    for a file that cannot be read (llama.cpp's load then says why)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()[:24]
+    except OSError:
+        return ""
+
+
+def with_digests(adapters: Sequence[LoraAdapter]) -> tuple[LoraAdapter, ...]:
+    """The adapters with their files' digests as the files are now (call it in a worker
+    thread, as the model loads: it reads every file)."""
+    return tuple(
+        a if a.removed else dataclasses.replace(a, digest=file_digest(a.path)) for a in adapters
+    )
+
+
+def files_scope(adapters: Sequence[LoraAdapter], chosen: Iterable[tuple[int, float]]) -> str:
+    """The part of a request's cache scope that names the files of the adapters it decodes
+    with (the engine adds their ids and scales: `engine.request.adapter_scope`)."""
+    digests = [adapters[i].digest for i, _ in chosen]
+    return "" if not digests else "|lorafile:" + ",".join(digests)

@@ -2,9 +2,10 @@
 model in the store and every preset with a `path`.
 
 `--model` takes `REF` or `NAME=REF`; a REF is a GGUF file, a built-in model's name or a
-store model's name. `--alias NAME` with one `--model REF` is `--model NAME=REF`, as in
-llama-server. The first model given (or the built-in default chat model) answers a
-request that names none.
+store model's name (a LoRA adapter in the store is no model of its own:
+`store_adapters.attach_stored` puts it on its base). `--alias NAME` with one `--model REF`
+is `--model NAME=REF`, as in llama-server. The first model given (or the built-in default
+chat model) answers a request that names none.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def _from_arg(arg: str, store: ModelStore, presets: dict[str, Preset]) -> ModelS
         with_path = [n for n, p in presets.items() if p.path]
         names = [*BUILTINS, *(m.name for m in store.list()), *with_path]
         raise ModelNotFound(ref, names) from exc
+    if manifest.base is not None:
+        raise ValueError(
+            f"--model {arg}: {manifest.name} is a LoRA adapter of {manifest.base}, not a model; "
+            "serve its base (the store's adapters come with it)"
+        )
     first = manifest.files[0]
     return _spec(name or manifest.name, _fixed(first), manifest.source, presets, manifest.added)
 
@@ -88,7 +94,7 @@ def _everything(store: ModelStore, presets: dict[str, Preset]) -> list[ModelSpec
     ]
     builtins = {n.lower() for n in BUILTINS}
     for m in store.list():
-        if m.name.lower() not in builtins:
+        if m.name.lower() not in builtins and m.base is None:  # adapters: on their base
             specs.append(_spec(m.name, _fixed(m.files[0]), m.source, presets, m.added))
     names = {s.name.lower() for s in specs}
     for name, preset in presets.items():

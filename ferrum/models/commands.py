@@ -22,6 +22,7 @@ from ferrum.errors import FerrumError
 from ferrum.models.builtin import refuse_builtin_name
 from ferrum.models.pull import PullProgress, pull
 from ferrum.models.store import Manifest, ModelStore, default_models_dir
+from ferrum.models.store_adapters import listed_name
 
 _FOREVER_S = 50 * 365 * 86400.0  # Ollama shows keep_alive -1 as a far-future expiry
 
@@ -31,6 +32,7 @@ def add_parsers(subparsers: Any) -> None:
     p = _add(subparsers, "pull", _pull, "download a GGUF model from the Hugging Face Hub")
     p.add_argument("ref", help="org/repo, org/repo:QUANT, org/repo/file.gguf or ./file.gguf")
     p.add_argument("--name", help="store it under this name (default: org/repo:QUANT)")
+    p.add_argument("--base", help="a LoRA adapter's base model, where its GGUF does not name it")
     _add(subparsers, "list", _list, "list the models in the store", aliases=["ls"])
     p = _add(subparsers, "show", _show, "show a model's facts")
     p.add_argument("name")
@@ -81,7 +83,7 @@ def _pull(args: argparse.Namespace) -> int:
         refuse_builtin_name(args.name, "pulled over")
     bar = _ProgressBar()
     try:
-        m = pull(_store(args), args.ref, progress=bar, name=args.name)
+        m = pull(_store(args), args.ref, progress=bar, name=args.name, base=args.base)
     finally:
         bar.close()
     print(f"pulled {m.name} ({_size(m.size)})")
@@ -89,11 +91,16 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    # A LoRA adapter is listed as served, `BASE:ADAPTER`, with the name to `rm` it by.
+    models = _store(args).list()
+    adapters = any(m.base is not None for m in models)
     rows = [
-        [m.name, m.sha256[:12], _size(m.size), time.strftime("%Y-%m-%d %H:%M", _local(m.added))]
-        for m in _store(args).list()
-    ]
-    _table(["NAME", "ID", "SIZE", "ADDED"], rows)
+        [listed_name(m), m.sha256[:12], _size(m.size),
+         time.strftime("%Y-%m-%d %H:%M", _local(m.added)),
+         *([m.name if m.base is not None else ""] if adapters else [])]
+        for m in models
+    ]  # fmt: skip
+    _table(["NAME", "ID", "SIZE", "ADDED", *(["STORED AS"] if adapters else [])], rows)
     return 0
 
 
@@ -101,6 +108,7 @@ def _show(args: argparse.Namespace) -> int:
     m = _store(args).resolve(args.name)
     facts = [
         ("name", m.name),
+        *([("LoRA adapter of", m.base)] if m.base is not None else []),
         ("source", m.source),
         ("architecture", m.architecture or "-"),
         ("context length", str(m.context_length or "-")),

@@ -95,6 +95,10 @@ class GGUFFacts:
     head_v: int = 0
     pooling_type: int | None = None  # {arch}.pooling_type: 1 mean, 2 cls, 3 last, 4 rank
     causal: bool | None = None  # {arch}.attention.causal (False: BERT-like encoders)
+    # An adapter's kind (`adapter.type`, "lora") when `general.type` is "adapter"; None: a model.
+    adapter: str | None = None
+    # The model it was made from (`general.base_model.0.*`): "org/repo" or a name; None: unsaid.
+    base_model: str | None = None
 
     @property
     def is_embedding_model(self) -> bool:
@@ -174,6 +178,8 @@ class _Header:
             **self._kv_shape(arch),
             pooling_type=_int_or(meta.get(f"{arch}.pooling_type"), None),
             causal=_bool_or_none(meta.get(f"{arch}.attention.causal")),
+            adapter=_adapter(meta),
+            base_model=_base_model(meta),
         )
 
     def _kv_shape(self, arch: str) -> dict[str, Any]:
@@ -270,8 +276,10 @@ _SHAPE_KEYS = (
 
 
 def _wanted(key: str) -> bool:
-    return key.startswith(("general.", "split.")) or key.endswith(_SHAPE_KEYS) or (
-        key == "tokenizer.chat_template"
+    return (
+        key.startswith(("general.", "split.", "adapter."))
+        or key.endswith(_SHAPE_KEYS)
+        or (key == "tokenizer.chat_template")
     )
 
 
@@ -281,3 +289,25 @@ def _int_or(value: Any, default: int | None) -> Any:
 
 def _bool_or_none(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
+
+
+def _adapter(meta: dict[str, Any]) -> str | None:
+    if meta.get("general.type") != "adapter":
+        return None
+    kind = meta.get("adapter.type")
+    return kind if isinstance(kind, str) else ""
+
+
+def _base_model(meta: dict[str, Any]) -> str | None:
+    """The first base model a file names, as a Hub repository ("org/repo", from its address
+    or its organization and name) or else its name."""
+    prefix = "general.base_model.0."
+    url = meta.get(prefix + "repo_url")
+    if isinstance(url, str):
+        host, _, repo = url.removeprefix("https://").removeprefix("http://").partition("/")
+        if host in ("huggingface.co", "hf.co") and repo.count("/") == 1:
+            return repo
+    name, org = meta.get(prefix + "name"), meta.get(prefix + "organization")
+    if not isinstance(name, str) or not name:
+        return None
+    return f"{org}/{name}" if isinstance(org, str) and org else name

@@ -90,19 +90,23 @@ def pull(
     name: str | None = None,
     cancel: threading.Event | None = None,
     resume: bool = True,
+    base: str | None = None,
 ) -> Manifest:
     """Pulls `ref` (see `reference.parse_reference`) into the store; a local file is adopted
     in place. `name` overrides the store name ("org/repo:QUANT"). `cancel` stops the pull at
-    its next chunk; `resume=False` removes the part files of a pull that did not finish."""
+    its next chunk; `resume=False` removes the part files of a pull that did not finish.
+    `base`: the model a LoRA adapter GGUF was made for, where its metadata does not say."""
     if name is not None:
         check_name(name)  # before the hub is asked, not after the download
+    if base is not None:
+        check_name(base, param="base")
     if ref in BUILTINS:  # a built-in model, adopted where its package keeps it
         return adopt(store, builtin_path(ref), name or ref, source=f"builtin:{ref}")
     reference = parse_reference(ref)
     cancel = cancel or threading.Event()
     report = _cancellable(progress or (lambda p: None), cancel)
     if reference.kind == "file":
-        return adopt(store, reference.path, name)
+        return adopt(store, reference.path, name, base=base)
     endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
     report(PullProgress("pulling manifest"))
     plan = _plan(reference, endpoint, token)
@@ -114,7 +118,7 @@ def pull(
             try:
                 if cancel.is_set():  # while it waited for the lock
                     raise PullCancelled("the pull was cancelled: its client hung up")
-                manifest = _fetch(store, name, plan, endpoint, token, report)
+                manifest = _fetch(store, name, plan, (endpoint, token), report, base)
             except BaseException:
                 if not resume:
                     shutil.rmtree(store.partial_dir(name), ignore_errors=True)
@@ -170,12 +174,14 @@ def _fetch(
     store: ModelStore,
     name: str,
     plan: _Plan,
-    endpoint: str | None,
-    token: str | None,
+    hub: tuple[str | None, str | None],
     report: Progress,
+    base: str | None,
 ) -> Manifest:
-    """Downloads, checks and installs the plan's files (the caller holds the name's lock)."""
+    """Downloads, checks and installs the plan's files (the caller holds the name's lock);
+    `hub`: its endpoint and token."""
     partial = store.partial_dir(name)
+    endpoint, token = hub
     model = plan.model
     try:
         with store.space.reserve(name, partial, model.size):
@@ -185,7 +191,8 @@ def _fetch(
             with hub_errors(plan.repo, endpoint):
                 parts = [fetch(f, plan.sha256.get(f)) for f in model.files]
             facts = _check_model(parts, model.files)
-            return _install(store, name, plan.source, model, parts, facts, report)
+            base = adapter_base(name, facts[0], base)
+            return _install(store, name, (plan.source, base), model, parts, facts, report)
     except (InvalidModelFile, InsufficientStorage, StoreQuotaExceeded):
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -202,9 +209,11 @@ def adopt(
     name: str | None = None,
     *,
     source: str | None = None,
+    base: str | None = None,
 ) -> Manifest:
     """Adds a local GGUF under `name` (default: the file's stem), referenced in place: the
-    store never moves or deletes it. A split model's shard brings all its shards."""
+    store never moves or deletes it. A split model's shard brings all its shards; a LoRA
+    adapter records its `base` (`adapter_base`)."""
     given = Path(path).expanduser().absolute()
     if not given.is_file():
         raise NotFound(f"no such file: {given}", param="model", code="model_not_found")
@@ -216,7 +225,8 @@ def adopt(
     facts = _check_model(files, [f.name for f in files])
     name = name or model_stem(given.name)
     source = source or f"file:{files[0]}"
-    manifest = _manifest(name, source, files, facts, quant_of(given.name))
+    base = adapter_base(name, facts[0], base)
+    manifest = _manifest(name, (source, base), files, facts, quant_of(given.name))
     with store.lock(name):
         store.add(manifest)
     return manifest
@@ -261,7 +271,7 @@ def _check_model(files: Sequence[Path], names: Sequence[str]) -> list[GGUFFacts]
 def _install(
     store: ModelStore,
     name: str,
-    source: str,
+    source: tuple[str, str | None],
     model: GGUFModel,
     parts: list[Path],
     facts: list[GGUFFacts],
@@ -282,12 +292,18 @@ def _install(
 
 
 def _manifest(
-    name: str, source: str, files: list[Path], facts: list[GGUFFacts], quant: str | None
+    name: str,
+    source: tuple[str, str | None],
+    files: list[Path],
+    facts: list[GGUFFacts],
+    quant: str | None,
 ) -> Manifest:
+    """`source`: where it came from, and a LoRA adapter's base (None: a model)."""
     first = facts[0]
     return Manifest(
         name=name,
-        source=source,
+        source=source[0],
+        base=source[1],
         files=tuple(str(f) for f in files),
         size=sum(f.stat().st_size for f in files),
         sha256=sha256_of(files[0]),
@@ -297,3 +313,23 @@ def _manifest(
         quant=quant or first.quant,
         added=time.time(),
     )
+
+
+def adapter_base(name: str, facts: GGUFFacts, base: str | None) -> str | None:
+    """A LoRA adapter's base model: `base` (`--base`), else the one its GGUF names; None for
+    a model. `InvalidModelFile` for an adapter of another kind, a LoRA adapter whose base is
+    unknown, or `base` given for a model."""
+    if facts.adapter is None:
+        if base:
+            raise InvalidModelFile(f"{name} is a model, not a LoRA adapter: --base is for adapters")
+        return None
+    if facts.adapter != "lora":
+        kind = facts.adapter or "untyped"
+        raise InvalidModelFile(f"{name} is a {kind} adapter; only LoRA adapters are served")
+    base = base or facts.base_model
+    if not base:
+        raise InvalidModelFile(
+            f"{name} is a LoRA adapter whose GGUF names no base model: pull it with --base NAME "
+            "(the model it was made for)"
+        )
+    return base

@@ -80,6 +80,9 @@ class Manifest:
     has_chat_template: bool
     quant: str | None
     added: float  # unix time
+    # A LoRA adapter's base model (what `ferrum pull --base` or the GGUF's metadata named);
+    # None: a model. An adapter is served on its base (`store_adapters.py`), never alone.
+    base: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"version": _MANIFEST_VERSION, **asdict(self)}, indent=2) + "\n"
@@ -99,7 +102,10 @@ class Manifest:
             if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                 raise ValueError(f"field {key!r} is missing or mistyped")
             fields[key] = value
-        return cls(**fields)
+        base = data.get("base")  # absent in manifests written before adapters were pulled
+        if base is not None and not isinstance(base, str):
+            raise ValueError("field 'base' is mistyped")
+        return cls(**fields, base=base)
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {

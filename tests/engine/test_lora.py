@@ -174,3 +174,68 @@ def _merged_text(path: str, tmp_path, request: dict) -> str:
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={**request, "model": "tiny"})
         return str(r.json()["choices"][0]["text"])
+
+
+def _server(model_file: str, tmp_path, lora=(), lora_dirs=(), disk: float = 0.0):
+    from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+    from ferrum.server import build_server
+
+    engine_cfg = EngineConfig(ctx_size=512, parallel=2, batch_size=64, threads=2, cache_ram=0,
+                              cache_disk=disk, cache_dir=str(tmp_path / "kv"))  # fmt: skip
+    models = ModelsConfig(model=(f"tiny={model_file}",), models_dir=str(tmp_path), lora=lora,
+                          lora_dirs=lora_dirs)  # fmt: skip
+    return build_server(engine_cfg, ServerConfig(port=9999, open_admin=True), models)[0]
+
+
+def _ask(client, model: str) -> tuple[str, int]:
+    """A greedy completion's text and the prompt tokens it found cached."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return r.json()["choices"][0]["text"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_an_adapter_reloaded_under_its_name_from_another_file_reuses_no_kv(files, tmp_path):
+    """Load lora1 as "x", ask, unload, load lora2 as "x", ask the same: the second answer
+    finds nothing cached and equals lora2 merged (a fresh server's answer)."""
+    from fastapi.testclient import TestClient
+
+    folder = os.path.dirname(files["lora1"])
+    with TestClient(_server(files["base"], tmp_path, lora_dirs=(folder,))) as client:
+        load = {"lora_name": "x", "lora_path": files["lora1"]}
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 200
+        first, _ = _ask(client, "tiny:x")
+        again, cached = _ask(client, "tiny:x")
+        assert again == first and cached > 0  # its own prefix is reused
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).json()["freed"]
+        load = {"lora_name": "x", "lora_path": files["lora2"]}
+        assert client.post("/v1/load_lora_adapter", json=load).status_code == 200
+        second, cached = _ask(client, "tiny:x")
+    assert cached == 0
+    with TestClient(_server(files["merged2"], tmp_path / "fresh")) as client:
+        assert second == _ask(client, "tiny")[0] != first
+
+
+def test_a_file_replaced_under_the_same_flag_reuses_no_kv_from_the_disk_tier(files, tmp_path):
+    """The disk tier keeps prefix KV across restarts, under the adapter's id. A server started
+    again with `--lora x=PATH` where PATH now holds another adapter numbers it 0 again: its
+    requests must not find the old file's KV."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    path = tmp_path / "x.gguf"
+    shutil.copyfile(files["lora1"], path)
+    flags = (f"x={path}",)
+    with TestClient(_server(files["base"], tmp_path, flags, disk=0.1)) as client:
+        first, _ = _ask(client, "tiny:x")
+    with TestClient(_server(files["base"], tmp_path, flags, disk=0.1)) as client:
+        same, cached = _ask(client, "tiny:x")
+    assert same == first and cached > 0  # the same file: its KV comes back from disk
+    shutil.copyfile(files["lora2"], path)
+    with TestClient(_server(files["base"], tmp_path, flags, disk=0.1)) as client:
+        second, cached = _ask(client, "tiny:x")
+    assert cached == 0
+    with TestClient(_server(files["merged2"], tmp_path / "fresh")) as client:
+        assert second == _ask(client, "tiny")[0]

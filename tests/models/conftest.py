@@ -13,7 +13,12 @@ import pytest
 
 from ferrum.models.store import ModelStore
 from tests.models.fake_hub import FakeHub
-from tests.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mamba
+from tests.tiny_models import (
+    write_tiny_gemma3,
+    write_tiny_llama,
+    write_tiny_lora,
+    write_tiny_mamba,
+)
 
 TOKEN = "hf_test_token"
 LLAMA = "test-org/tiny-llama-GGUF"
@@ -22,6 +27,9 @@ ODD = "test-org/odd-quants-GGUF"
 EMPTY = "test-org/no-gguf"
 GATED = "test-org/gated-GGUF"
 BROKEN = "test-org/broken-GGUF"
+LORA = "test-org/tiny-support-lora-GGUF"  # a LoRA adapter of LORA_BASE, named in its GGUF
+LORA_BASE = "test-org/tiny-llama"
+BARE_LORA = "test-org/bare-lora-GGUF"  # a LoRA adapter that names no base
 README = b"# a model card\n"
 
 
@@ -60,6 +68,8 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     whole = write_tiny_llama(root / "whole.gguf").read_bytes()
     (broken / "broken-Q8_0.gguf").write_bytes(whole[: len(whole) * 2 // 3])
     (root / "whole.gguf").unlink()
+    write_tiny_lora(root / LORA / "tiny-support-lora-F32.gguf", seed=1, base=LORA_BASE)
+    write_tiny_lora(root / BARE_LORA / "bare-lora-F32.gguf", seed=2)
     return root
 
 

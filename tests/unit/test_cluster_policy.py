@@ -246,16 +246,20 @@ def test_route_keys_carry_the_adapter_set_as_the_replica_does():
     holding its own adapter's blocks, never the base's or another adapter's."""
     from ferrum.api.openai.bodies import CompletionRequest
     from ferrum.cluster.keys import route_key
-    from ferrum.models.adapters import LoraAdapter
+    from ferrum.models.adapters import LoraAdapter, files_scope
 
     text = "a prompt long enough for several blocks"
     prompt = byte_tokenize(text)
     keys = _PromptKeys(prompt)
-    keys.adapters = (LoraAdapter("sql", "/a/sql.gguf", 0.5), LoraAdapter("chat", "/a/c.gguf"))
+    keys.adapters = (
+        LoraAdapter("sql", "/a/sql.gguf", 0.5, digest="d-sql"),
+        LoraAdapter("chat", "/a/c.gguf", digest="d-chat"),
+    )
 
-    def held(adapters: tuple) -> set[int]:
+    def held(adapters: tuple) -> set[int]:  # the scope as a replica's serving.submit sets it
         engine = fake_engine(FakeRunner(), block_size=BS)
-        params = sampling(max_tokens=2, cache_scope="key:a", adapters=adapters)
+        scope = "key:a" + files_scope(keys.adapters, adapters)
+        params = sampling(max_tokens=2, cache_scope=scope, adapters=adapters)
         engine.add_request("r", prompt, params, True)
         while engine.has_work:
             engine.step()
@@ -272,3 +276,6 @@ def test_route_keys_carry_the_adapter_set_as_the_replica_does():
     assert key(model="m") <= base and not key(model="m") & sql
     assert not key(model="m:chat") & sql
     assert key(model="m", lora=[{"id": 9}]) == set()  # a bad pick: the replica answers it
+    # The same name, id and scale from another file: another adapter, none of its blocks.
+    keys.adapters = (LoraAdapter("sql", "/a/sql.gguf", 0.5, digest="d-new"), keys.adapters[1])
+    assert key(model="m:sql") and not key(model="m:sql") & sql

@@ -187,3 +187,28 @@ def test_a_reload_serves_the_same_adapters_under_the_same_ids(server):
     assert runner.adapters.paths[0] is None  # the unloaded adapter's id stays empty
     assert set(runner.adapter_sets) == {((1, 1.0),)}
     assert _chat(c, "base:support").status_code == 404
+
+
+def test_the_file_checks_of_a_load_run_off_the_event_loop(server, monkeypatch):
+    """`loadable_path` stats and resolves files: on a slow disk that must not stall every
+    other request, so a load runs it in a worker thread, never on the event loop."""
+    import asyncio
+
+    from ferrum.api import lora_routes
+
+    on_loop: list[bool] = []
+    real = lora_routes.loadable_path
+
+    def watched(*args, **kw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop in this thread: a worker
+            on_loop.append(False)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lora_routes, "loadable_path", watched)
+    c, _, _, _ = server
+    assert _load(c, "legal", "adapters/legal.gguf").status_code == 200
+    assert _load(c, "evil", "/etc/passwd").status_code == 403  # its errors still come back
+    assert on_loop == [False, False]

@@ -311,7 +311,8 @@ async def _pull(
 
     try:
         manifest = await state.pulls.run(job)
-        state.models.add(_served(manifest))
+        if manifest.base is None:  # an adapter: loaded on its base (lora_routes, next start)
+            state.models.add(_served(manifest))
         lines.put_nowait({"status": "success"})
     except FerrumError as exc:
         lines.put_nowait({"error": exc.message, "status_code": exc.status})
@@ -373,7 +374,8 @@ def add_store_routes(route: Route, state: ServerState) -> None:
         store, _, source = await _stored(state, body.source, "copied")
         await _refuse_taken(state, store, body.destination, "copied over", "destination")
         manifest = await asyncio.to_thread(store.copy, source.name, body.destination)
-        state.models.add(_served(manifest))
+        if manifest.base is None:  # an adapter is served on its base, never alone
+            state.models.add(_served(manifest))
         return Response(status_code=200)
 
 
