@@ -404,9 +404,13 @@ BAD = {
         ),
         "messages[1].content[0].input",
     ),
-    "an image": (
+    "an image for a model that does not see": (
         _body(messages=_user({"type": "image", "source": {"type": "base64", "data": "AA=="}})),
-        "text models",
+        "messages[0].content[0]: model 'fake' does not take images",
+    ),
+    "an image by url": (
+        _body(messages=_user({"type": "image", "source": {"type": "url", "url": "http://x/"}})),
+        "messages[0].content[0].source: url image sources are not supported",
     ),
     "a document in a result": (
         _body(
@@ -421,7 +425,7 @@ BAD = {
                 ),
             ]
         ),
-        "messages[2].content[0].content[0]: document blocks are not supported: ferrum serves",
+        "messages[2].content[0].content[0]: document blocks are not supported: ferrum reads",
     ),
     "thinking from the user": (
         _body(messages=_user({"type": "thinking", "thinking": "x"})),

@@ -313,11 +313,13 @@ def _refused(fn, status: int = 400) -> str:
     return err.value.error
 
 
-def test_images_and_unsupported_fields_are_refused():
+def test_images_for_a_model_that_does_not_see_and_unsupported_fields_are_refused():
     png = "iVBORw0KGgo="
     with served() as (client, http):
-        assert "images" in _refused(lambda: client.chat("fake", [{**HI[0], "images": [png]}]))
-        assert "images" in _refused(lambda: client.generate("fake", "hi", images=[png]))
+        chat = _refused(lambda: client.chat("fake", [{**HI[0], "images": [png]}]))
+        assert chat.startswith("messages[0].images[0]: model 'fake' does not take images")
+        generate = _refused(lambda: client.generate("fake", "hi", images=[png]))
+        assert generate.startswith("images[0]: model 'fake' does not take images")
         assert "suffix" in _refused(lambda: client.generate("fake", "def f(", suffix=")"))
         assert "template" in _refused(lambda: client.generate("fake", "hi", template="{{ x }}"))
         assert "raw" in _refused(lambda: client.generate("fake", "hi", raw=True, format="json"))
