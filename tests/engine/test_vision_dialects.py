@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import base64
 
+import anthropic
+import httpx2
+import ollama
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.server import build_server
 from tests import schemas
-from tests.schema_check import conforms, ollama_answer
+from tests.schema_check import OllamaBridge, conforms, ollama_answer
+from tests.schemas import checked
 from tests.tiny_vision import N_IMAGE_TOKENS, flat_image_bytes, image_bytes
 
 QUESTION, MAX_TOKENS = "what is", 8
@@ -156,6 +161,31 @@ def test_ollama_images_answer_as_openai_does(client, path):
             if path == "/api/chat" else [image]
         )  # fmt: skip
         assert _ollama(client, path, body).status_code == 200
+
+
+def test_each_dialects_own_client_sends_an_image(client):
+    """The SDKs' own request shapes (the ollama client base64-encodes bytes itself), over the
+    app in process; the OpenAI client checks every answer against the published schemas."""
+    oracle = _openai(client)["text"]
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="k", max_retries=0,
+                                 http_client=client)  # fmt: skip
+    body = _anthropic_body(_base64_source())
+    # This SDK's create() takes no temperature: sent as the JSON field it is.
+    extra = {"temperature": body.pop("temperature")}
+    said = claude.messages.create(**body, extra_body=extra)
+    assert said.content[0].type == "text" and said.content[0].text == oracle
+    seen = checked.Checked()
+    transport = checked.CheckingTransport(seen, inner=client._transport)
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="k", max_retries=0,
+                        http_client=httpx2.Client(transport=transport))  # fmt: skip
+    part = {"type": "input_image", "image_url": "data:image/png;base64," + B64, "detail": "auto"}
+    assert oai.responses.create(**_responses_body(part)).output_text == oracle
+    assert seen.answers == 1
+    local = ollama.Client(host="http://testserver", transport=OllamaBridge(client))
+    message = {"role": "user", "content": QUESTION, "images": [PNG]}
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    assert local.chat("eye", [message], options=options).message.content == oracle
+    assert local.generate("eye", QUESTION, images=[PNG], options=options).response == oracle
 
 
 # -- errors, in each dialect's shape, naming the model or the part ----------------------------

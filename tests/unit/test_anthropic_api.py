@@ -372,6 +372,7 @@ def _user(*blocks: dict) -> list[dict]:
     return [{"role": "user", "content": list(blocks)}]
 
 
+_PNG_SOURCE = {"type": "base64", "media_type": "image/png", "data": "AA=="}
 BAD = {
     "no max_tokens": (_without_max_tokens(), "max_tokens: Field required"),
     "max_tokens 0": (_body(max_tokens=0), "max_tokens"),
@@ -405,8 +406,12 @@ BAD = {
         "messages[1].content[0].input",
     ),
     "an image for a model that does not see": (
-        _body(messages=_user({"type": "image", "source": {"type": "base64", "data": "AA=="}})),
+        _body(messages=_user({"type": "image", "source": _PNG_SOURCE})),
         "messages[0].content[0]: model 'fake' does not take images",
+    ),
+    "an image of no type": (
+        _body(messages=_user({"type": "image", "source": {"type": "base64", "data": "AA=="}})),
+        "messages[0].content[0].source.media_type",
     ),
     "an image by url": (
         _body(messages=_user({"type": "image", "source": {"type": "url", "url": "http://x/"}})),

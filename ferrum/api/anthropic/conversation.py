@@ -71,6 +71,11 @@ class ImageBlock(Body):
                 "nothing; send the image as base64 (source type base64)",
                 param=f"{where}.source.type",
             )
+        if not source.media_type:
+            raise InvalidRequest(
+                f"{where}.source.media_type: a base64 image names its type (image/png or "
+                "image/jpeg)", param=f"{where}.source.media_type",
+            )  # fmt: skip
         return f"data:{source.media_type};base64,{source.data}"
 
 
