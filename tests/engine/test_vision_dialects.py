@@ -50,8 +50,9 @@ def _openai(client, b64: str = B64, model: str = "eye") -> dict:
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     schemas.validate_chat(r.json())
+    usage = r.json()["usage"]
     return {"text": r.json()["choices"][0]["message"]["content"],
-            "prompt": r.json()["usage"]["prompt_tokens"]}  # fmt: skip
+            "prompt": usage["prompt_tokens"], "completion": usage["completion_tokens"]}  # fmt: skip
 
 
 def _anthropic_body(source: dict, model: str = "eye") -> dict:
@@ -121,6 +122,7 @@ def test_anthropic_image_blocks_answer_as_openai_does(client):
     assert r.status_code == 200, r.text
     assert r.json()["content"][0]["text"] == oracle["text"]
     assert r.json()["usage"]["input_tokens"] == oracle["prompt"]
+    assert r.json()["usage"]["output_tokens"] == oracle["completion"]
     count = _anthropic(client, _anthropic_body(_base64_source()), "/v1/messages/count_tokens")
     assert count.json() == {"input_tokens": oracle["prompt"]}
 
@@ -134,6 +136,7 @@ def test_responses_input_image_answers_as_openai_does_and_is_kept_for_the_next_t
             for c in item["content"]]  # fmt: skip
     assert "".join(said) == oracle["text"]
     assert r.json()["usage"]["input_tokens"] == oracle["prompt"]
+    assert r.json()["usage"]["output_tokens"] == oracle["completion"]
     later = {"model": "eye", "previous_response_id": r.json()["id"], "input": "and?",
              "max_output_tokens": 2, "temperature": 0}  # fmt: skip
     again = _responses(client, later)
@@ -153,6 +156,7 @@ def test_ollama_images_answer_as_openai_does(client, path):
     text = r.json()["message"]["content"] if path == "/api/chat" else r.json()["response"]
     assert text == oracle["text"]
     assert r.json()["prompt_eval_count"] == oracle["prompt"]
+    assert r.json()["eval_count"] == oracle["completion"]
     # A JPEG's base64 and a data URI are taken too (the decoder reads what the bytes are).
     jpeg = base64.b64encode(image_bytes(1, fmt="JPEG")).decode()
     for image in (jpeg, "data:image/png;base64," + B64):
