@@ -9,9 +9,14 @@ a schema update is one file."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from tests.schemas import SchemaViolation, validate
+
+if TYPE_CHECKING:
+    from fastapi.testclient import TestClient
 
 
 def conforms(name: str, component: str, instance: Any) -> None:
@@ -86,3 +91,20 @@ def ollama_typed(path: str, status: int, content_type: str, body: bytes) -> None
     for line in lines:
         if line.strip() and '"error"' not in line[:10]:
             kind.model_validate_json(line, strict=True)
+
+
+class OllamaBridge(httpx.BaseTransport):
+    """Hands Ollama's httpx requests to a TestClient, which speaks httpx2 (Starlette 1.x):
+    the real app in process, answered whole (TestClient buffers streams anyway)."""
+
+    def __init__(self, http: TestClient):
+        self.http = http
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        r = self.http.request(
+            request.method, request.url.path, headers=dict(request.headers), content=request.read()
+        )
+        # Every answer the client gets, as Ollama's published schema has it.
+        ollama_answer(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
+        ollama_typed(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
+        return httpx.Response(r.status_code, headers=r.headers.multi_items(), content=r.content)

@@ -15,10 +15,13 @@ text model's n_embd). Weights are seeded and random: only the mechanics are mean
 
 from __future__ import annotations
 
+import base64
+import io
 import pathlib
 
 import gguf
 import numpy as np
+from PIL import Image
 
 from tests.tiny_models import N_EMBD
 
@@ -97,3 +100,23 @@ def write_tiny_mmproj(path: pathlib.Path) -> pathlib.Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> bytes:
+    """A seeded noise image (width, height) as a PNG or JPEG file's bytes."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
+def flat_image_bytes(size: tuple[int, int]) -> bytes:
+    """A large image in a small PNG file: one colour compresses to almost nothing."""
+    out = io.BytesIO()
+    Image.new("RGB", size, (10, 20, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_uri(data: bytes, fmt: str = "PNG") -> str:
+    kind = "png" if fmt == "PNG" else "jpeg"
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()

@@ -146,7 +146,8 @@ def test_bad_requests_are_400s_in_anthropic_shape(client, url):
         client.messages.create(
             model="claude-x", max_tokens=8, messages=[{"role": "user", "content": [image]}]
         )
-    assert "text models" in refused.value.body["error"]["message"]
+    assert "messages[0].content[0]: model" in refused.value.body["error"]["message"]
+    assert "does not take images" in refused.value.body["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError) as unauthorised:
         wrong = anthropic.Anthropic(
             base_url=url, api_key="wrong", max_retries=0, http_client=_checked()

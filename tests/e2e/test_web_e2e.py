@@ -1,7 +1,7 @@
 """The browser pages in a real browser: Chromium from the OS packages driven by Playwright,
 against a real `ferrum serve` (the default model and Gemma 3 270M beside it) that needs an
-API key. Skipped where Chromium or Playwright is missing (`scripts/install test` installs
-both where it can)."""
+API key, and one serving the tiny llama with the tiny vision projector (images). Skipped
+where Chromium or Playwright is missing (`scripts/install test` installs both where it can)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import running_server
+from tests.tiny_models import write_tiny_llama
+from tests.tiny_vision import data_uri, image_bytes, write_tiny_mmproj
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -37,6 +39,19 @@ def server(tmp_path_factory) -> Iterator[str]:
     with running_server(
         tmp_path_factory, "ferrum-web", "--api-key", KEY, models=(DEFAULT, SECOND)
     ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory) -> Iterator[str]:
+    """The tiny llama as "eye" (with the tiny projector: it sees) and as "text"; no key."""
+    folder = tmp_path_factory.mktemp("vision")
+    llama = write_tiny_llama(folder / "tiny-llama.gguf")
+    mmproj = write_tiny_mmproj(folder / "mmproj.gguf")
+    with running_server(
+        tmp_path_factory, "ferrum-web-vision", "--mmproj", f"eye={mmproj}", "--ctx-size", "512",
+        models=(f"eye={llama}", f"text={llama}"),
+    ) as url:  # fmt: skip
         yield url
 
 
@@ -260,3 +275,42 @@ def test_the_dashboard_shows_each_replica_of_a_cluster(server, page):
     page.select_option("#replica", "r2")
     playwright_api.expect(page.locator('section[data-replica="r1"]')).to_be_hidden()
     playwright_api.expect(page.locator('section[data-replica="r2"]')).to_be_visible()
+
+
+def test_an_image_attached_where_the_model_sees_is_sent_shown_and_kept(
+    vision_server, page, tmp_path
+):
+    expect = playwright_api.expect
+    png = tmp_path / "noise.png"
+    png.write_bytes(image_bytes(1))
+    uri = data_uri(png.read_bytes())
+    page.goto(vision_server + "/")
+    page.locator('#model option[value="eye"]').wait_for(state="attached")
+    page.select_option("#model", "text")
+    expect(page.locator("#attach")).to_be_hidden()  # that model does not see
+    page.select_option("#model", "eye")
+    expect(page.locator("#attach")).to_be_visible()
+    page.click("#settings-toggle")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "8")
+    page.click("#settings-toggle")
+    page.set_input_files("#image", str(png))
+    expect(page.locator("#attachments img")).to_have_attribute("src", uri)
+    with page.expect_request("**/v1/chat/completions") as sent:
+        _send(page, "what is")
+    body = sent.value.post_data_json
+    image = {"type": "image_url", "image_url": {"url": uri}}
+    assert body["messages"][-1]["content"] == [image, {"type": "text", "text": "what is"}]
+    answer = page.locator(".msg.assistant").last
+    answer.locator(".regenerate").wait_for()
+    assert answer.locator(".error").count() == 0
+    expect(page.locator("#attachments")).to_be_hidden()  # sent: the composer is empty again
+    # The oracle: the same body asked whole, with no page in between.
+    whole = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    oracle = httpx.post(f"{vision_server}/v1/chat/completions", json=whole, timeout=60).json()
+    kept = page.evaluate("JSON.parse(localStorage.getItem('ferrum.chats')).chats[0].messages")
+    assert kept[-1]["content"] == oracle["choices"][0]["message"]["content"]
+    assert f"prompt {oracle['usage']['prompt_tokens']}" in answer.locator(".stats").inner_text()
+    page.screenshot(path=str(DOCS / "webui-image.png"))
+    page.reload()  # the image is kept with the conversation and shown again
+    expect(page.locator(".msg.user .thumbs img")).to_have_attribute("src", uri)

@@ -3,11 +3,18 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mamba
+from tests.tiny_vision import write_tiny_mmproj
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf"))
+
+
+@pytest.fixture(scope="session")
+def mmproj(tmp_path_factory) -> str:
+    """The tiny projector of `tiny_vision.py`, which pairs with `tiny_llama`."""
+    return str(write_tiny_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf"))
 
 
 @pytest.fixture(scope="session")

@@ -4,23 +4,15 @@
 from __future__ import annotations
 
 import base64
-import io
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from PIL import Image
 
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.models.projectors import attach
 from ferrum.models.registry import ModelSpec
 from ferrum.server import build_server
-from tests.tiny_vision import N_IMAGE_TOKENS, write_tiny_mmproj
-
-
-@pytest.fixture(scope="module")
-def mmproj(tmp_path_factory) -> str:
-    return str(write_tiny_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf"))
+from tests.tiny_vision import N_IMAGE_TOKENS, data_uri, flat_image_bytes, image_bytes
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +28,11 @@ def client(tiny_llama, mmproj, tmp_path_factory):
 
 
 def _png(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> str:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format=fmt)
-    return _uri(out.getvalue(), fmt)
+    return data_uri(image_bytes(seed, size, fmt), fmt)
 
 
 def _flat(size: tuple[int, int]) -> str:
-    """A large image in a small file: one colour compresses to almost nothing."""
-    out = io.BytesIO()
-    Image.new("RGB", size, (10, 20, 30)).save(out, format="PNG")
-    return _uri(out.getvalue(), "PNG")
-
-
-def _uri(data: bytes, fmt: str) -> str:
-    kind = "png" if fmt == "PNG" else "jpeg"
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+    return data_uri(flat_image_bytes(size))
 
 
 def _chat(client, url: str, model: str = "eye", **extra):
@@ -107,6 +88,7 @@ def test_a_bad_image_is_a_400_naming_its_part(client, url, words):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert words in error["message"] and error["param"] == "messages[0].content[1]"
+    assert error["message"].startswith("messages[0].content[1]: ")  # named in the text too
     assert _chat(client, _png(1)).status_code == 200  # and the server goes on
 
 

@@ -11,21 +11,15 @@ import ctypes
 
 import llama_cpp as ll
 import numpy as np
-import pytest
 from llama_cpp import mtmd_cpp as mt
 
 from ferrum.engine.contracts import RgbImage
 from ferrum.engine.request import ImageSpan
 from tests.factories import llama_engine, run_to_completion, sampling
-from tests.tiny_vision import N_IMAGE_TOKENS, write_tiny_mmproj
+from tests.tiny_vision import N_IMAGE_TOKENS
 
 BEFORE, AFTER = "look at the", " and say what you see"
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def mmproj(tmp_path_factory) -> str:
-    return str(write_tiny_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf"))
 
 
 def _image(seed: int, size: int = 32) -> RgbImage:

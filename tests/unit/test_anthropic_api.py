@@ -372,6 +372,7 @@ def _user(*blocks: dict) -> list[dict]:
     return [{"role": "user", "content": list(blocks)}]
 
 
+_PNG_SOURCE = {"type": "base64", "media_type": "image/png", "data": "AA=="}
 BAD = {
     "no max_tokens": (_without_max_tokens(), "max_tokens: Field required"),
     "max_tokens 0": (_body(max_tokens=0), "max_tokens"),
@@ -404,9 +405,17 @@ BAD = {
         ),
         "messages[1].content[0].input",
     ),
-    "an image": (
+    "an image for a model that does not see": (
+        _body(messages=_user({"type": "image", "source": _PNG_SOURCE})),
+        "messages[0].content[0]: model 'fake' does not take images",
+    ),
+    "an image of no type": (
         _body(messages=_user({"type": "image", "source": {"type": "base64", "data": "AA=="}})),
-        "text models",
+        "messages[0].content[0].source.media_type",
+    ),
+    "an image by url": (
+        _body(messages=_user({"type": "image", "source": {"type": "url", "url": "http://x/"}})),
+        "messages[0].content[0].source: url image sources are not supported",
     ),
     "a document in a result": (
         _body(
@@ -421,7 +430,7 @@ BAD = {
                 ),
             ]
         ),
-        "messages[2].content[0].content[0]: document blocks are not supported: ferrum serves",
+        "messages[2].content[0].content[0]: document blocks are not supported: ferrum reads",
     ),
     "thinking from the user": (
         _body(messages=_user({"type": "thinking", "thinking": "x"})),

@@ -12,7 +12,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import httpx
 import ollama
 import pytest
 from fastapi.testclient import TestClient
@@ -24,7 +23,7 @@ from ferrum.models.pull import PullProgress, adopt
 from ferrum.models.registry import ModelSpec
 from ferrum.models.store import Manifest, ModelStore
 from tests.factories import EOS, FakeRunner, fake_app
-from tests.schema_check import ollama_answer, ollama_typed
+from tests.schema_check import OllamaBridge
 from tests.tiny_models import write_tiny_llama
 from tests.unit.test_api_tools import CALL, WEATHER
 
@@ -47,28 +46,11 @@ def scripted(text: str):
     return next_token
 
 
-class _Bridge(httpx.BaseTransport):
-    """Hands Ollama's httpx requests to a TestClient, which speaks httpx2 (Starlette 1.x):
-    the real app in process, answered whole (TestClient buffers streams anyway)."""
-
-    def __init__(self, http: TestClient):
-        self.http = http
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        r = self.http.request(
-            request.method, request.url.path, headers=dict(request.headers), content=request.read()
-        )
-        # Every answer the client gets, as Ollama's published schema has it.
-        ollama_answer(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
-        ollama_typed(request.url.path, r.status_code, r.headers.get("content-type", ""), r.content)
-        return httpx.Response(r.status_code, headers=r.headers.multi_items(), content=r.content)
-
-
 @contextmanager
 def served(runner: FakeRunner | None = None, **kw) -> Iterator[tuple[ollama.Client, TestClient]]:
     """Ollama's own client talking to the real app over fake models."""
     with TestClient(fake_app(runner, **kw)) as http:
-        yield ollama.Client(host="http://testserver", transport=_Bridge(http)), http
+        yield ollama.Client(host="http://testserver", transport=OllamaBridge(http)), http
 
 
 @pytest.fixture
@@ -313,11 +295,13 @@ def _refused(fn, status: int = 400) -> str:
     return err.value.error
 
 
-def test_images_and_unsupported_fields_are_refused():
+def test_images_for_a_model_that_does_not_see_and_unsupported_fields_are_refused():
     png = "iVBORw0KGgo="
     with served() as (client, http):
-        assert "images" in _refused(lambda: client.chat("fake", [{**HI[0], "images": [png]}]))
-        assert "images" in _refused(lambda: client.generate("fake", "hi", images=[png]))
+        chat = _refused(lambda: client.chat("fake", [{**HI[0], "images": [png]}]))
+        assert chat.startswith("messages[0].images[0]: model 'fake' does not take images")
+        generate = _refused(lambda: client.generate("fake", "hi", images=[png]))
+        assert generate.startswith("images[0]: model 'fake' does not take images")
         assert "suffix" in _refused(lambda: client.generate("fake", "def f(", suffix=")"))
         assert "template" in _refused(lambda: client.generate("fake", "hi", template="{{ x }}"))
         assert "raw" in _refused(lambda: client.generate("fake", "hi", raw=True, format="json"))

@@ -29,6 +29,8 @@ def test_the_pages_and_their_files_are_served_with_a_strict_policy():
         assert '<script src="/web/chat.js">' in chat.text and "/web/dashboard.js" in dash.text
         policy = chat.headers["content-security-policy"]
         assert "script-src 'self'" in policy and "default-src 'none'" in policy
+        # Attached images show as data: URIs; images from anywhere else stay blocked.
+        assert "img-src 'self' data:;" in policy
         js = c.get("/web/chat.js")
         assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
         assert c.get("/web/style.css").headers["content-type"].startswith("text/css")

@@ -22,7 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.anthropic.answers import MessageAnswer
-from ferrum.api.anthropic.bodies import CountTokensBody, MessagesBody, chat_request, parse, renamed
+from ferrum.api.anthropic.bodies import (
+    CountTokensBody,
+    MessagesBody,
+    chat_request,
+    image_params,
+    parse,
+    renamed,
+)
 from ferrum.api.generation import serve
 from ferrum.api.serving import ServerState, acquire_chat, prepare, prepare_chat
 from ferrum.errors import InvalidRequest
@@ -34,23 +41,25 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     async def messages(request: Request) -> Response:
         body = await parse(request, MessagesBody)
         openai = chat_request(body)
+        images = image_params(body, openai)
         lease = await acquire_chat(state, request, body.model)
         stops = tuple(body.stop_sequences or ())
         answer = MessageAnswer(lease.name, body.stream, body.shows_thinking, stops)
         try:
             return await serve(state, request, lease, openai, prepare_chat, answer)
         except InvalidRequest as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, images) from None
 
     async def count_tokens(request: Request) -> Response:
         """The prompt's length as the chat template renders it, tools included."""
         body = await parse(request, CountTokensBody)
         openai = chat_request(body)
+        images = image_params(body, openai)
         lease = await acquire_chat(state, request, body.model)
         try:
             prepared = await prepare(prepare_chat, lease.model, openai)
         except InvalidRequest as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, images) from None
         finally:
             lease.release()
         return JSONResponse({"input_tokens": len(prepared.prompt)})

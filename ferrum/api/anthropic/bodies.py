@@ -6,18 +6,8 @@ Rules:
   `cache_control`, `service_tier`...), as `openai/bodies.py` does. `max_tokens` is required on
   /v1/messages, as Anthropic requires it; /v1/messages/count_tokens takes the same body
   without it.
-- Content is a string or blocks: `text`, `tool_use`, `tool_result`, `thinking` and
-  `redacted_thinking`. `image` and `document` blocks are refused by name: ferrum serves text
-  models. System blocks and a user turn's text blocks are joined by a blank line, an
-  assistant's by nothing (its own text, split around tool calls).
-- Tool turns: an assistant's `tool_use` blocks become its `tool_calls`, its `thinking` its
-  `reasoning_content` (`redacted_thinking` is dropped: nothing can read it). A user turn's
-  `tool_result` blocks become `tool` messages, in order, before the turn's text; one with
-  `is_error` says so in its content, which is all a chat template can carry. A result that
-  answers no earlier `tool_use` is a 400 naming it.
-- Tool ids: each `tool_use` id is given an OpenAI call id by its position in the conversation
-  (`call00000`, ...): 9 alphanumeric characters, the only ids Mistral's templates accept, and
-  the same on every turn of a growing conversation, so its prompt prefix stays reusable.
+- The messages' content blocks and their translation (text, images, tool turns): see
+  `conversation.py`.
 - `tools` are custom tools (`name`, `description`, `input_schema`); server tools (a `type`
   such as `web_search_20250305` or `bash_20250124`) are refused by name: nothing here runs
   them. `tool_choice` {auto, any, tool, none} is OpenAI's auto, required, the named function
@@ -38,81 +28,21 @@ Rules:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from ferrum.api.openai.bodies import (
-    MAX_CONTENT_PARTS,
-    MAX_MESSAGES,
-    MAX_TOOLS,
-    ChatCompletionRequest,
-)
+from ferrum.api.anthropic.conversation import Body as _Body
+from ferrum.api.anthropic.conversation import Message, TextBlock, chat_messages, image_blocks
+from ferrum.api.openai.bodies import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest
+from ferrum.api.prompting.images import image_names, renamed_image
 from ferrum.errors import InvalidRequest
 
-__all__ = ["CountTokensBody", "MessagesBody", "chat_request", "parse", "renamed"]
+__all__ = ["CountTokensBody", "MessagesBody", "chat_request", "image_params", "parse", "renamed"]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class _Body(BaseModel):
-    # As in openai/bodies.py: wrong JSON types are refused, unknown fields tolerated.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
-
-
-# -- content blocks -------------------------------------------------------------------------
-
-
-class TextBlock(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class MediaBlock(_Body):
-    """An image or a document: parsed only to be refused by name."""
-
-    type: Literal["image", "document"]
-
-
-class ToolUseBlock(_Body):
-    type: Literal["tool_use"]
-    id: Annotated[str, Field(min_length=1)]
-    name: str
-    input: dict[str, Any]
-
-
-_ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
-
-
-class ToolResultBlock(_Body):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | Annotated[list[_ResultPart], Field(max_length=MAX_CONTENT_PARTS)] = ""
-    is_error: bool = False
-
-
-class ThinkingBlock(_Body):
-    type: Literal["thinking"]
-    thinking: str
-    signature: str = ""
-
-
-class RedactedThinkingBlock(_Body):
-    type: Literal["redacted_thinking"]
-    data: str = ""
-
-
-Block = Annotated[
-    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
-]
-
-
-class Message(_Body):
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 # -- tools and settings ---------------------------------------------------------------------
@@ -224,8 +154,11 @@ _ANTHROPIC_PARAMS = [
 ]
 
 
-def renamed(err: InvalidRequest) -> InvalidRequest:
-    """The error with its parameter named as the Anthropic client wrote it."""
+def renamed(err: InvalidRequest, images: Mapping[str, str] | None = None) -> InvalidRequest:
+    """The error with its parameter named as the Anthropic client wrote it; `images`: the
+    request's image names (`image_params`)."""
+    if images and (named := renamed_image(err, images)) is not None:
+        return named
     old = new = err.param or ""
     for pattern, name in _ANTHROPIC_PARAMS:
         new = pattern.sub(name, new)
@@ -234,10 +167,16 @@ def renamed(err: InvalidRequest) -> InvalidRequest:
     return InvalidRequest(err.message.replace(old, new, 1), param=new)
 
 
+def image_params(body: CountTokensBody, served: ChatCompletionRequest) -> dict[str, str]:
+    """The request's image names: those of `served` (its `chat_request`) → the client's."""
+    return image_names(served.messages, image_blocks(body.messages))
+
+
 def chat_request(body: CountTokensBody) -> ChatCompletionRequest:
     """The OpenAI chat body of an Anthropic one: only the sampling fields the request gives,
     so that the model preset's defaults fill the rest (`serving.with_defaults`)."""
-    fields: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
+    messages = chat_messages(body.system, body.messages)
+    fields: dict[str, Any] = {"model": body.model, "messages": messages}
     if isinstance(body, MessagesBody):
         fields["max_tokens"] = body.max_tokens
         for name in ("temperature", "top_p", "top_k"):
@@ -288,112 +227,3 @@ def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
     if choice.disable_parallel_tool_use is not None:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     return fields
-
-
-def _system(system: str | list[TextBlock] | None) -> str:
-    if system is None or isinstance(system, str):
-        return system or ""
-    return "\n\n".join(b.text for b in system)
-
-
-def _messages(body: CountTokensBody) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if system := _system(body.system):
-        out.append({"role": "system", "content": system})
-    calls = _Calls()
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
-        elif m.role == "assistant":
-            out.append(_assistant(i, m.content, calls))
-        else:
-            out += _user(i, m.content, calls)
-    return out
-
-
-class _Calls:
-    """The conversation's tool_use ids so far, each with its OpenAI id and tool name."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, tuple[str, str]] = {}
-
-    def add(self, where: str, block: ToolUseBlock) -> str:
-        if block.id in self.seen:
-            raise InvalidRequest(
-                f"{where}.id: tool_use id {block.id!r} is used twice", param=f"{where}.id"
-            )
-        openai_id = f"call{len(self.seen):05d}"
-        self.seen[block.id] = (openai_id, block.name)
-        return openai_id
-
-    def answer(self, where: str, block: ToolResultBlock) -> dict[str, Any]:
-        found = self.seen.get(block.tool_use_id)
-        if found is None:
-            raise InvalidRequest(
-                f"{where}.tool_use_id: {block.tool_use_id!r} answers no earlier tool_use block",
-                param=f"{where}.tool_use_id",
-            )
-        content = _result_text(where, block)
-        if block.is_error:
-            content = f"Error: {content}"
-        return {"role": "tool", "tool_call_id": found[0], "name": found[1], "content": content}
-
-
-def _refused(where: str, block: Any, role: str) -> InvalidRequest:
-    if isinstance(block, MediaBlock):
-        return InvalidRequest(
-            f"{where}: {block.type} blocks are not supported: ferrum serves text models",
-            param=f"{where}.type",
-        )
-    return InvalidRequest(
-        f"{where}: a {block.type} block cannot be in a {role} message", param=f"{where}.type"
-    )
-
-
-def _result_text(where: str, block: ToolResultBlock) -> str:
-    if isinstance(block.content, str):
-        return block.content
-    texts = []
-    for k, part in enumerate(block.content):
-        if not isinstance(part, TextBlock):
-            raise _refused(f"{where}.content[{k}]", part, "tool_result")
-        texts.append(part.text)
-    return "\n".join(texts)
-
-
-def _assistant(i: int, blocks: list[Any], calls: _Calls) -> dict[str, Any]:
-    text, reasoning, tool_calls = [], [], []
-    for j, block in enumerate(blocks):
-        where = f"messages[{i}].content[{j}]"
-        if isinstance(block, TextBlock):
-            text.append(block.text)
-        elif isinstance(block, ThinkingBlock):
-            reasoning.append(block.thinking)
-        elif isinstance(block, ToolUseBlock):
-            openai_id = calls.add(where, block)
-            function = {"name": block.name, "arguments": block.input}
-            tool_calls.append({"id": openai_id, "type": "function", "function": function})
-        elif not isinstance(block, RedactedThinkingBlock):
-            raise _refused(where, block, "assistant")
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning:
-        msg["reasoning_content"] = "".join(reasoning)
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    return msg
-
-
-def _user(i: int, blocks: list[Any], calls: _Calls) -> list[dict[str, Any]]:
-    """The turn's tool results as tool messages, then its text (if any) as a user message."""
-    results, text = [], []
-    for j, block in enumerate(blocks):
-        where = f"messages[{i}].content[{j}]"
-        if isinstance(block, ToolResultBlock):
-            results.append(calls.answer(where, block))
-        elif isinstance(block, TextBlock):
-            text.append(block.text)
-        else:
-            raise _refused(where, block, "user")
-    if text or not results:
-        results.append({"role": "user", "content": "\n\n".join(text)})
-    return results

@@ -38,6 +38,7 @@ from ferrum.api.ollama.bodies import (
     Generation,
     chat_request,
     generate_request,
+    image_params,
     parse,
     renamed,
 )
@@ -190,12 +191,14 @@ async def _serve(
     body: B,
     prepare_fn: Callable[[ServedModel, B], Prepared],
     answer: _Answer,
+    images: dict[str, str],
 ) -> Response:
-    """`generation.serve`, with errors in a translated body named as the client wrote them."""
+    """`generation.serve`, with errors in a translated body named as the client wrote them
+    (`images`: its image parts' names, `image_params`)."""
     try:
         return await serve(state, http, lease, body, prepare_fn, answer)
     except InvalidRequest as exc:
-        raise renamed(exc) from None
+        raise renamed(exc, images) from None
 
 
 async def _load_or_unload(
@@ -236,8 +239,9 @@ def add_generation_routes(route: Route, state: ServerState) -> None:
         if not body.messages:
             return await _load_or_unload(state, request, body.model, body.keep_alive, chat=True)
         openai = chat_request(body)
+        images = image_params(body, openai)
         lease, answer = await _leased(state, request, body, clock, chat=True)
-        return await _serve(state, request, lease, openai, prepare_chat, answer)
+        return await _serve(state, request, lease, openai, prepare_chat, answer, images)
 
     @route("POST", "/api/generate")
     async def generate(request: Request) -> Response:
@@ -247,8 +251,8 @@ def add_generation_routes(route: Route, state: ServerState) -> None:
         if not body.prompt:
             return await _load_or_unload(state, request, body.model, body.keep_alive, chat=False)
         openai = generate_request(body)
+        images = image_params(body, openai)
         lease, answer = await _leased(state, request, body, clock, chat=False)
         if isinstance(openai, CompletionRequest):
-            return await _serve(state, request, lease, openai, prepare_completion, answer)
-        return await _serve(state, request, lease, openai, prepare_chat, answer)
-
+            return await _serve(state, request, lease, openai, prepare_completion, answer, images)
+        return await _serve(state, request, lease, openai, prepare_chat, answer, images)

@@ -16,21 +16,27 @@ Rules:
 - `format`: "json" is a JSON object grammar, a schema object a JSON Schema grammar.
 - `tools` are OpenAI's function tools in the same shape. Tool results (`tool_name`) answer
   the latest assistant turn's calls in order: Ollama's messages carry no call ids.
-- Refused with a 400: images (ferrum serves text models), suffix, template (ferrum renders
-  the model's Jinja template, not Ollama's Go templates), context (/api/generate never returns
-  one: /api/chat carries history), logprobs, and format with raw.
+- `images` (base64 strings, as Ollama takes them; a data URI is taken too) on a message of
+  /api/chat or on /api/generate become that turn's `image_url` parts, before its text as
+  Ollama places them, served as the OpenAI chat's images are (`prompting/images.py`); an
+  error names the image as `messages[i].images[k]` or `images[k]` (`image_names`).
+- Refused with a 400: suffix, template (ferrum renders the model's Jinja template, not
+  Ollama's Go templates), context (/api/generate never returns one: /api/chat carries
+  history), logprobs, and format or images with raw.
 - An error in a translated body names its parameter as the Ollama client wrote it
   (`options.num_predict`, not `max_tokens`): `renamed`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest, invalid_request
+from ferrum.api.prompting.images import image_names, renamed_image
 from ferrum.errors import InvalidRequest
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
@@ -110,7 +116,6 @@ class GenerateBody(Generation):
     def check(self) -> None:
         super().check()
         refused = {
-            "images": "images are not supported: ferrum serves text models",
             "suffix": "suffix (fill-in-the-middle) is not supported",
             "template": "template is not supported: ferrum renders the model's own template",
             "context": "context is not supported: send the history to /api/chat",
@@ -118,8 +123,9 @@ class GenerateBody(Generation):
         for name, why in refused.items():
             if getattr(self, name):
                 raise InvalidRequest(why, param=name)
-        if self.raw and self.format:
-            raise InvalidRequest("format needs the chat template: not with raw", param="format")
+        for name in ("format", "images"):
+            if self.raw and getattr(self, name):
+                raise InvalidRequest(f"{name} needs the chat template: not with raw", param=name)
 
 
 class ModelRef(_Body):
@@ -168,8 +174,11 @@ def _sampling(body: Generation) -> dict[str, Any]:
     return {"model": body.model, **fields}
 
 
-def renamed(err: InvalidRequest) -> InvalidRequest:
-    """The error with its parameter named as the Ollama client wrote it."""
+def renamed(err: InvalidRequest, images: Mapping[str, str] | None = None) -> InvalidRequest:
+    """The error with its parameter named as the Ollama client wrote it; `images`: the
+    request's image names (`image_names`)."""
+    if images and (named := renamed_image(err, images)) is not None:
+        return named
     param = err.param or ""
     for openai, ollama in _OLLAMA_PARAMS.items():
         if param == openai or param.startswith(openai + "."):
@@ -189,13 +198,8 @@ def _openai_messages(messages: list[_Message]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     pending: list[str] = []  # the ids of the latest assistant turn's calls not yet answered
     n_calls = 0
-    for i, m in enumerate(messages):
-        if m.images:
-            raise InvalidRequest(
-                "images are not supported: ferrum serves text models",
-                param=f"messages[{i}].images",
-            )
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": _content(m)}
         if m.thinking:
             msg["reasoning_content"] = m.thinking
         if m.tool_calls:
@@ -215,6 +219,36 @@ def _openai_messages(messages: list[_Message]) -> list[dict[str, Any]]:
     return out
 
 
+def _content(m: _Message) -> str | list[dict[str, Any]]:
+    if not m.images:
+        return m.content
+    parts = [{"type": "image_url", "image_url": {"url": _data_uri(b64)}} for b64 in m.images]
+    return [*parts, {"type": "text", "text": m.content}]
+
+
+def _data_uri(image: str) -> str:
+    """Ollama's base64 image as a data URI; its type from the first bytes (PNG's or JPEG's
+    signature), though only the decoder's reading of the bytes decides what it is."""
+    if image.startswith("data:"):
+        return image
+    kind = "jpeg" if image.startswith("/9j/") else "png"
+    return f"data:image/{kind};base64,{image}"
+
+
+def image_params(
+    body: ChatBody | GenerateBody, served: ChatCompletionRequest | CompletionRequest
+) -> dict[str, str]:
+    """The request's image names: those of `served` (its translation) → the Ollama client's."""
+    if not isinstance(served, ChatCompletionRequest):
+        return {}
+    if isinstance(body, GenerateBody):
+        names = [f"images[{k}]" for k in range(len(body.images or ()))]
+    else:
+        names = [f"messages[{i}].images[{k}]" for i, m in enumerate(body.messages)
+                 for k in range(len(m.images or ()))]  # fmt: skip
+    return image_names(served.messages, names)
+
+
 def chat_request(body: ChatBody) -> ChatCompletionRequest:
     fields = _sampling(body) | {"messages": _openai_messages(body.messages)}
     if body.tools:
@@ -225,7 +259,7 @@ def chat_request(body: ChatBody) -> ChatCompletionRequest:
 def generate_request(body: GenerateBody) -> ChatCompletionRequest | CompletionRequest:
     if body.raw:  # Ollama ignores system in raw mode too
         return _validated(CompletionRequest, _sampling(body) | {"prompt": body.prompt})
-    messages = [_Message(role="user", content=body.prompt)]
+    messages = [_Message(role="user", content=body.prompt, images=body.images)]
     if body.system:
         messages.insert(0, _Message(role="system", content=body.system))
     return _validated(

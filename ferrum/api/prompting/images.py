@@ -11,6 +11,11 @@ there (`tokenize_with_marks`), which `splice` replaces with the image's pieces:
 
 Bounds, checked before any pixel is decoded: a data URI of at most `MAX_IMAGE_URL_BYTES`,
 an image of at most `MAX_IMAGE_PIXELS`, PNG or JPEG only. Remote URLs are not fetched.
+
+Every dialect's images arrive here as the OpenAI body's `image_url` parts (each translation
+keeps their order), and each error names its part in its message as well as in `param`: the
+Ollama and Anthropic error shapes carry the message alone. `image_names` pairs the OpenAI
+body's names with the dialect's, for the dialect to rename an error as its client wrote it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import binascii
 import io
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from PIL import Image
@@ -34,7 +39,8 @@ MAX_IMAGE_URL_BYTES = 10 * 1024 * 1024  # one image part's data URI
 MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before decoding
 MAX_IMAGES = 16  # per request
 _FORMATS = {"PNG", "JPEG"}
-_DATA_URI = re.compile(r"data:image/(png|jpeg|jpg);base64,", re.IGNORECASE)
+_DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+);base64,", re.IGNORECASE)
+_MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg"}
 # Placeholder token id at image positions: never decoded, only counted and never matched
 # (a request with images takes no part in the prefix cache, `Request.shares_kv`).
 _PLACEHOLDER = 0
@@ -53,22 +59,41 @@ def image_parts(messages: Sequence[Any]) -> list[tuple[str, str]]:
     return found
 
 
+def image_names(messages: Sequence[Any], names: Sequence[str]) -> dict[str, str]:
+    """Each image part's param in an OpenAI body (as `image_parts` names it) → `names`, the
+    same images' params as a dialect's client wrote them, in the same (prompt) order."""
+    return dict(zip((param for param, _ in image_parts(messages)), names, strict=True))
+
+
+def renamed_image(err: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest | None:
+    """`err` naming its image part by `names` (`image_names`); None when it names no image."""
+    new = names.get(err.param or "")
+    if new is None or err.param is None:
+        return None
+    return InvalidRequest(err.message.replace(err.param, new, 1), param=new)
+
+
 def decode_image(url: str, param: str) -> RgbImage:
     """A data URI's PNG or JPEG as RGB pixels; a 400 naming the part otherwise."""
     head = _DATA_URI.match(url)
     if head is None:
         raise InvalidRequest(
-            "image_url must be a data URI (data:image/png;base64,... or image/jpeg): remote "
-            "images are not fetched", param=param,
+            f"{param}: an image must be a base64 data URI (data:image/png;base64,... or "
+            "image/jpeg): remote images are not fetched", param=param,
         )  # fmt: skip
+    if head.group(1).lower() not in _MEDIA_TYPES:
+        raise InvalidRequest(
+            f"{param}: {head.group(1)} images are not supported: PNG or JPEG", param=param
+        )
     if len(url) > MAX_IMAGE_URL_BYTES:
         raise InvalidRequest(
-            f"image of {len(url)} bytes: at most {MAX_IMAGE_URL_BYTES} per image", param=param
+            f"{param}: image of {len(url)} bytes: at most {MAX_IMAGE_URL_BYTES} per image",
+            param=param,
         )
     try:
         data = base64.b64decode(url[head.end() :], validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidRequest("image_url: the data URI is not valid base64", param=param) from None
+        raise InvalidRequest(f"{param}: the image is not valid base64", param=param) from None
     return _pixels(data, param)
 
 
@@ -80,7 +105,8 @@ def _pixels(data: bytes, param: str) -> RgbImage:
                 width, height = img.size
                 if width * height > MAX_IMAGE_PIXELS:
                     raise InvalidRequest(
-                        f"image of {width}x{height} pixels: at most {MAX_IMAGE_PIXELS} pixels",
+                        f"{param}: image of {width}x{height} pixels: at most {MAX_IMAGE_PIXELS} "
+                        "pixels",
                         param=param,
                     )
                 rgb = img.convert("RGB")
@@ -88,9 +114,9 @@ def _pixels(data: bytes, param: str) -> RgbImage:
         raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError,
             Image.DecompressionBombWarning):  # fmt: skip
-        raise InvalidRequest("not a readable PNG or JPEG image", param=param) from None
+        raise InvalidRequest(f"{param}: not a readable PNG or JPEG image", param=param) from None
     if width < 1 or height < 1:
-        raise InvalidRequest("an image needs at least one pixel", param=param)
+        raise InvalidRequest(f"{param}: an image needs at least one pixel", param=param)
     return RgbImage(width, height, rgb.tobytes())
 
 
@@ -151,8 +177,8 @@ def prompt_with_images(
     encoded and spliced in. A 400 naming the model when it takes no images."""
     if encoder is None:
         raise InvalidRequest(
-            f"model {model!r} does not take images: it is served without a vision projector "
-            "(--mmproj)", param=parts[0][0],
+            f"{parts[0][0]}: model {model!r} does not take images: it is served without a "
+            "vision projector (--mmproj)", param=parts[0][0],
         )  # fmt: skip
     if len(parts) > MAX_IMAGES:
         raise InvalidRequest(f"{len(parts)} images: at most {MAX_IMAGES}", param="messages")

@@ -30,6 +30,7 @@ from ferrum.api.responses.bodies import (
     Reasoning,
     ResponsesRequest,
     chat_request,
+    image_params,
     input_messages,
     renamed,
 )
@@ -104,6 +105,7 @@ def add_responses_routes(route: Route, state: ServerState) -> None:
         history = store.conversation(previous, owner) if previous else []
         turn = input_messages(body, history)
         chat = chat_request(body, history + turn)
+        images = image_params(body, chat)
         lease = await acquire_chat(state, request, body.model, body.keep_alive)
         chat = with_defaults(lease.model, chat)
         answer = ResponsesAnswer(_shell(body, chat, lease.name, body.store and store.enabled),
@@ -111,7 +113,7 @@ def add_responses_routes(route: Route, state: ServerState) -> None:
         try:
             return await serve(state, request, lease, chat, prepare_chat, answer)
         except InvalidRequest as exc:
-            raise renamed(exc) from None
+            raise renamed(exc, images) from None
 
     @route("GET", "/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:

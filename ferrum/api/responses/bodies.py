@@ -4,8 +4,11 @@
 Rules:
 - `input` is a string (one user message) or a list of items: messages (roles user, system,
   developer, assistant; text parts `input_text`, `output_text`, `refusal`), `function_call`,
-  `function_call_output` and `reasoning` items. Images, files, audio and every other item
-  type (hosted tools' calls, `item_reference`) are refused with a 400 naming the item.
+  `function_call_output` and `reasoning` items. A message's `input_image` parts (`image_url`
+  a data URI) become the chat's `image_url` parts, served as its images are
+  (`prompting/images.py`; an error names the part, `image_params`); an image by `file_id`,
+  files, audio and every other item type (hosted tools' calls, `item_reference`) are refused
+  with a 400 naming the item. A stored conversation keeps its images, for its continuations.
 - A `function_call` joins the assistant turn before it (or opens one); a `reasoning` item's
   text becomes the next assistant turn's `reasoning_content`; a `function_call_output` must
   answer a call made earlier in the conversation (this input or the stored history).
@@ -22,11 +25,13 @@ Rules:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferrum.api.openai.bodies import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, invalid_request
+from ferrum.api.prompting.images import image_names, image_parts, renamed_image
 from ferrum.errors import InvalidRequest
 
 Messages = list[dict[str, Any]]
@@ -40,7 +45,7 @@ _RESPONSES_PARAMS = {
     "messages": "input",
 }
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+_MEDIA_PARTS = ("input_file", "input_audio")
 _ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -131,29 +136,56 @@ def parse_body(raw: bytes) -> ResponsesRequest:
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's or output's content: a string or a list of text parts."""
+    """An output's content: a string or a list of text parts."""
+    parts = _content(content, where, images=False)
+    return parts if isinstance(parts, str) else "".join(p["text"] for p in parts)
+
+
+def _content(content: Any, where: str, images: bool = True) -> str | Messages:
+    """A message's content: a string, or a list of parts as chat parts (text, and images
+    where `images`); the text alone when it holds no image."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"{where} must be a string or a list of parts", param=where)
-    texts = []
+    parts: Messages = []
     for j, part in enumerate(content):
         param = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _MEDIA_PARTS:
+        if kind in _MEDIA_PARTS or (kind == "input_image" and not images):
             raise InvalidRequest(
-                f"{param}: {kind} is not supported: ferrum serves text models", param=param
-            )
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+                f"{param}: {kind} is not supported here: ferrum reads text, and images in a "
+                "message", param=param,
+            )  # fmt: skip
+        if kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(part, param)}})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         else:
             raise InvalidRequest(
-                f"{param}: expected a text part ({', '.join(_TEXT_PARTS)}), got {kind!r}",
-                param=param,
-            )
-    return "".join(texts)
+                f"{param}: expected a text part ({', '.join(_TEXT_PARTS)}) or input_image, "
+                f"got {kind!r}", param=param,
+            )  # fmt: skip
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image_url(part: dict[str, Any], param: str) -> str:
+    url = part.get("image_url")
+    if url is None and part.get("file_id") is not None:
+        raise InvalidRequest(
+            f"{param}.file_id: images by file_id are not supported (ferrum keeps no files): "
+            "send the image as a data URI in image_url", param=f"{param}.file_id",
+        )  # fmt: skip
+    if not isinstance(url, str):
+        raise InvalidRequest(
+            f"{param}.image_url: an input_image needs an image_url (a data URI)",
+            param=f"{param}.image_url",
+        )
+    return url
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
@@ -206,7 +238,7 @@ class _Conversation:
             raise InvalidRequest(
                 f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role"
             )
-        content = _text(item.get("content"), f"{where}.content")
+        content = _content(item.get("content"), f"{where}.content")
         message: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             self._take_reasoning(message)
@@ -285,8 +317,27 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def renamed(err: InvalidRequest) -> InvalidRequest:
-    """The error with its parameter named as the Responses client wrote it."""
+def image_params(body: ResponsesRequest, served: ChatCompletionRequest) -> dict[str, str]:
+    """The request's image names: those of `served` (its `chat_request`) → the client's. A
+    stored conversation's images come first, named by the `previous_response_id` that holds
+    them."""
+    items = body.input if isinstance(body.input, list) else []
+    names = [
+        f"input[{i}].content[{j}]"
+        for i, item in enumerate(items)
+        if item.get("type", "message") == "message" and isinstance(item.get("content"), list)
+        for j, part in enumerate(item["content"])
+        if isinstance(part, dict) and part.get("type") == "input_image"
+    ]  # fmt: skip
+    stored = len(image_parts(served.messages)) - len(names)
+    return image_names(served.messages, ["previous_response_id"] * stored + names)
+
+
+def renamed(err: InvalidRequest, images: Mapping[str, str] | None = None) -> InvalidRequest:
+    """The error with its parameter named as the Responses client wrote it; `images`: the
+    request's image names (`image_params`)."""
+    if images and (named := renamed_image(err, images)) is not None:
+        return named
     param = err.param or ""
     if param.startswith("tools[") and ".function." in param:  # tools[0].function.name
         name = param.replace(".function.", ".", 1)

@@ -1,5 +1,7 @@
 // The chat page: models from /v1/models, answers streamed from /v1/chat/completions (the
 // server-sent events read by hand), conversations kept in this browser's localStorage.
+// Images (PNG or JPEG, attached where the chosen model sees) travel as `image_url` parts
+// holding data URIs, before the message's text, and are kept with the conversation.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -10,10 +12,18 @@ const saved = JSON.parse(localStorage.getItem(STORE) || "null") || { current: nu
 const settings = Object.assign({ model: "", system: "", temperature: 0.7, max_tokens: 512 },
   JSON.parse(localStorage.getItem(SETTINGS) || "{}"));
 let running = null; // the AbortController of the answer being streamed
+const seeing = new Set(); // the models that take images (capabilities "vision")
+let pending = []; // the images attached to the message being written, as data URIs
+const IMAGE_URI = /^data:image\/(png|jpeg);base64,[A-Za-z0-9+/]+=*$/;
+const MAX_IMAGE_BYTES = 10 * 1024 * 1024; // the server's bound on one image's data URI
 
 function persist() {
-  localStorage.setItem(STORE, JSON.stringify(saved));
-  localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(saved));
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  } catch (err) { // the browser's storage is full: images take room
+    notice("This conversation is too large to keep in the browser (" + err.name + "): delete a chat or export it.");
+  }
 }
 
 function newChat() {
@@ -39,6 +49,53 @@ async function loadModels() {
     Ferrum.el("option", { value: m.id, text: m.id + (m.loaded ? " (loaded)" : "") })));
   if (!models.some((m) => m.id === settings.model) && models.length) settings.model = models[0].id;
   select.value = settings.model;
+  seeing.clear();
+  for (const m of models) if ((m.capabilities || []).includes("vision")) seeing.add(m.id);
+  showAttach();
+}
+
+// -- images -------------------------------------------------------------------------------
+
+// The attach button where the chosen model sees; a model that does not drops what is attached.
+function showAttach() {
+  const sees = seeing.has(settings.model);
+  $("attach").hidden = !sees;
+  if (!sees) pending = [];
+  renderPending();
+}
+
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    if (file.type !== "image/png" && file.type !== "image/jpeg") return reject(new Error(file.name + " is not a PNG or JPEG image"));
+    const reader = new FileReader();
+    reader.onload = () => (reader.result.length > MAX_IMAGE_BYTES
+      ? reject(new Error(file.name + " is too large (at most 10 MB)")) : resolve(reader.result));
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  try {
+    for (const file of files) pending.push(await readImage(file));
+    notice("");
+  } catch (err) {
+    notice("Image not attached: " + err.message);
+  }
+  $("image").value = "";
+  renderPending();
+}
+
+function thumbs(images, remove) {
+  return Ferrum.el("div", { class: "thumbs" }, ...images.map((src, i) => Ferrum.el("span", {},
+    Ferrum.el("img", { src, alt: "image " + (i + 1) }),
+    remove ? Ferrum.el("button", { type: "button", text: "×", title: "Remove", onclick: () => remove(i) }) : null)));
+}
+
+function renderPending() {
+  const box = $("attachments");
+  box.hidden = !pending.length;
+  box.replaceChildren(thumbs(pending, (i) => { pending.splice(i, 1); renderPending(); }));
 }
 
 // -- streaming ----------------------------------------------------------------------------
@@ -65,7 +122,13 @@ async function* events(response) {
 
 function wire(chat) {
   const messages = settings.system ? [{ role: "system", content: settings.system }] : [];
-  for (const m of chat.messages) if (m.content) messages.push({ role: m.role, content: m.content });
+  for (const m of chat.messages) {
+    const images = m.images || [];
+    if (images.length) {
+      const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+      messages.push({ role: m.role, content: [...parts, { type: "text", text: m.content }] });
+    } else if (m.content) messages.push({ role: m.role, content: m.content });
+  }
   return messages;
 }
 
@@ -149,6 +212,7 @@ function fillMessage(node, msg, chat) {
     parts.push(Ferrum.el("details", { class: "reasoning" },
       Ferrum.el("summary", { text: "Reasoning" }), Ferrum.el("pre", { text: msg.reasoning })));
   }
+  if (msg.images && msg.images.length) parts.push(thumbs(msg.images));
   parts.push(Markdown.render(msg.content, Ferrum.el("div", { class: "body" })));
   if (msg.error) parts.push(Ferrum.el("p", { class: "error", text: msg.error }));
   const foot = Ferrum.el("div", { class: "foot" },
@@ -201,10 +265,14 @@ function notice(text) {
 
 function send() {
   const text = $("prompt").value.trim();
-  if (!text || running) return;
+  if ((!text && !pending.length) || running) return;
   const chat = current();
-  if (!chat.messages.length) chat.title = text.slice(0, 40);
-  chat.messages.push({ role: "user", content: text });
+  if (!chat.messages.length) chat.title = text.slice(0, 40) || "Image";
+  const msg = { role: "user", content: text };
+  if (pending.length) msg.images = pending;
+  chat.messages.push(msg);
+  pending = [];
+  renderPending();
   $("prompt").value = "";
   renderChats();
   answer(chat);
@@ -220,6 +288,8 @@ function regenerate(chat) {
 function edit(chat, index) {
   if (running) return;
   $("prompt").value = chat.messages[index].content;
+  pending = seeing.has(settings.model) ? (chat.messages[index].images || []).slice() : [];
+  renderPending();
   chat.messages.splice(index);
   persist();
   renderMessages(chat);
@@ -242,7 +312,10 @@ async function importChats(file) {
     saved.chats.unshift(...chats.filter((c) => !known.has(c.id)).map((c) => ({
       id: c.id, title: String(c.title || "Imported"),
       messages: c.messages.filter((m) => m && (m.role === "user" || m.role === "assistant"))
-        .map((m) => ({ role: m.role, content: String(m.content || ""), reasoning: String(m.reasoning || ""), stats: m.stats || {} })),
+        .map((m) => ({
+          role: m.role, content: String(m.content || ""), reasoning: String(m.reasoning || ""), stats: m.stats || {},
+          images: Array.isArray(m.images) ? m.images.filter((u) => typeof u === "string" && IMAGE_URI.test(u)) : [],
+        })),
     })));
     persist();
     render();
@@ -267,7 +340,8 @@ function bind() {
   $("export").onclick = exportChats;
   $("import").onchange = (ev) => ev.target.files[0] && importChats(ev.target.files[0]);
   $("settings-toggle").onclick = () => { $("settings").hidden = !$("settings").hidden; };
-  $("model").onchange = (ev) => { settings.model = ev.target.value; persist(); };
+  $("model").onchange = (ev) => { settings.model = ev.target.value; persist(); showAttach(); };
+  $("image").onchange = (ev) => attach([...ev.target.files]);
   for (const [id, key] of [["system", "system"], ["temperature", "temperature"], ["max-tokens", "max_tokens"]]) {
     $(id).value = settings[key];
     $(id).oninput = (ev) => { settings[key] = ev.target.value; persist(); };
