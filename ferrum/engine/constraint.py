@@ -275,12 +275,14 @@ def _unpacked(bitmask: np.ndarray, n_grammar: int, n_vocab: int) -> np.ndarray:
     return bits.view(bool)
 
 
-def allowed_together(constraints: Sequence[Constraint], n_vocab: int) -> list[np.ndarray]:
-    """Each constraint's `allowed`; from TOGETHER_FROM rows, the masks filled in one call on
+def allowed_together(
+    constraints: Sequence[Constraint], n_vocab: int, pool_from: int = TOGETHER_FROM
+) -> list[np.ndarray]:
+    """Each constraint's `allowed`; from `pool_from` rows, the masks filled in one call on
     the owner's thread pool (the GIL released; the constraints must be distinct and share one
     `Constraints`). That call's time is shared equally among its rows, so the metrics count
     one mask a row and their summed time is the time spent."""
-    if len(constraints) < TOGETHER_FROM:
+    if len(constraints) < max(2, pool_from):
         return [c.allowed(n_vocab) for c in constraints]
     owner = constraints[0].owner
     if any(c.owner is not owner for c in constraints) or len(set(map(id, constraints))) < len(

@@ -33,11 +33,20 @@ def _constraints(n: int):
     return made
 
 
-@pytest.mark.parametrize("n", [1, 2, TOGETHER_FROM, 7])
-def test_masks_together_equal_masks_one_at_a_time(n):
+@pytest.mark.parametrize(
+    ("n", "pool_from"),
+    [
+        (1, TOGETHER_FROM),
+        (2, TOGETHER_FROM),
+        (2, 2),
+        (TOGETHER_FROM, TOGETHER_FROM),
+        (7, TOGETHER_FROM),
+    ],
+)
+def test_masks_together_equal_masks_one_at_a_time(n, pool_from):
     alone = [c.allowed(N_VOCAB) for c in _constraints(n)]
     constraints = _constraints(n)
-    together = allowed_together(constraints, N_VOCAB)
+    together = allowed_together(constraints, N_VOCAB, pool_from)
     for want, got in zip(alone, together, strict=True):
         assert np.array_equal(want, got)
     complete = [PREFIXES[i % len(PREFIXES)] in COMPLETE for i in range(n)]
