@@ -151,13 +151,6 @@ class Sampler:
             view = self._views[address] = np.frombuffer(memoryview(row), dtype=np.float32)
         return view
 
-    def sample(self, ctx: Any, index: int) -> tuple[int, TokenLogprobs | None]:
-        """One position on its own: `begin`, the mask if the pick waits for one, `finish`."""
-        pick = self.begin(ctx, index)
-        if pick.waits is not None:
-            self.finish(pick, pick.waits.allowed(self._n_vocab))
-        return pick.token, pick.logprobs
-
     def begin(self, ctx: Any, index: int) -> Pick:
         """Samples batch position `index` as far as it goes without a mask: done when free or
         when the grammar allows the chain's pick; else the pick waits for its constraint's
