@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import llguidance
 
-from ferrum.engine.constraint import Constraint, Constraints
+from ferrum.engine.constraint import Constraint, Constraints, allowed_together
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult, TokenLogprobs
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.request import SamplingParams
@@ -229,6 +229,7 @@ class FakeRunner:
         result = StepResult(decode_calls=1)
         if self.decode_cost is not None:
             result.decode_s = self.decode_cost[0] + self.decode_cost[1] * n
+        rows: list[_FakeRow] = []
         for idx, item in enumerate(items):
             if item.seq_id in self.fail_seqs:
                 self.fail_seqs.discard(item.seq_id)
@@ -244,34 +245,43 @@ class FakeRunner:
                 sampler = self.samplers.get(item.sample_for)
                 if sampler is None:
                     raise AssertionError(f"sampling for {item.sample_for}, which has no sampler")
-                self._verify(item, cells, sampler, idx, result)
+                rows.append(_FakeRow(idx, item, cells, sampler))
+        self._verify(rows, result)
         return result
 
-    def _verify(self, item, cells: list[int], sampler, idx: int, result: StepResult) -> None:
-        """As the llama runner: a token at the last real position, then at each guess while
-        the pick equals it; the cells of guesses not taken are removed."""
-        real = len(cells) - item.draft
-        guesses = item.tokens[len(item.tokens) - item.draft :]
-        tokens, logprobs = [], []
-        for j in range(item.draft + 1):
-            token = self.next_token(cells[: real + j])
-            if sampler.constraint is not None:
-                token = _constrained(sampler.constraint, token, cells[: real + j])
-            tokens.append(token)
-            k = sampler.params.logprobs
-            if k is not None:
-                # A made-up distribution: the sampled token first, then the next ids.
-                top = tuple(((token + i) % N_VOCAB, -0.5 - i) for i in range(k))
-                logprobs.append(TokenLogprobs(token, -0.5, top))
-            if j == item.draft or token != guesses[j]:
-                break
-        result.sampled[idx] = tokens
-        if sampler.constraint is not None:  # as the llama runner reports its masks
-            taken, sampler.constraint.mask_seconds = sampler.constraint.mask_seconds, []
-            result.mask_seconds += taken
-        if logprobs:
-            result.logprobs[idx] = logprobs
-        del cells[real + len(tokens) - 1 :]
+    def _verify(self, rows: list[_FakeRow], result: StepResult) -> None:
+        """As the llama runner (`engine/llama/step_sampling.py`): a round per position, each
+        row's token at its last real position, then at each guess while the pick equals it;
+        the masks of a round's refusals filled together (`allowed_together`); the cells of
+        guesses not taken are removed."""
+        live, j = rows, 0
+        while live:
+            picks = [self.next_token(row.cells[: row.real + j]) for row in live]
+            refused = [
+                k
+                for k, row in enumerate(live)
+                if row.constraint is not None and not row.constraint.allows(picks[k])
+            ]
+            # From two rows on the pool (the engine waits for more): random traffic reaches it.
+            masks = allowed_together([live[k].constraint for k in refused], N_VOCAB, 2)
+            for k, allowed in zip(refused, masks, strict=True):
+                picks[k] = _choice(allowed, live[k].cells[: live[k].real + j])
+            going = []
+            for row, token in zip(live, picks, strict=True):
+                if row.constraint is not None and token != EOS:
+                    row.constraint.accept(token)
+                row.take(token)
+                if j < row.item.draft and token == row.guesses[j]:
+                    going.append(row)
+            live, j = going, j + 1
+        for row in rows:
+            result.sampled[row.idx] = row.tokens
+            if row.constraint is not None:  # as the llama runner reports its masks
+                taken, row.constraint.mask_seconds = row.constraint.mask_seconds, []
+                result.mask_seconds += taken
+            if row.logprobs:
+                result.logprobs[row.idx] = row.logprobs
+            del row.cells[row.real + len(row.tokens) - 1 :]
 
     def close(self) -> None:
         """As llama.cpp's context is freed on unload: a model loaded again (the same fake
@@ -470,11 +480,42 @@ _PREFERRED = [EOS, *b'"}],1']
 
 
 def _constrained(constraint: Constraint, token: int, history: Sequence[int]) -> int:
+    """The fake's constrained pick with its mask computed alone (the oracle's way)."""
     if not constraint.allows(token):
-        allowed = constraint.allowed(N_VOCAB)
-        ids = [t for t in _PREFERRED if allowed[t]] or [int(t) for t in allowed.nonzero()[0]]
-        if not ids:
-            return EOS
-        token = ids[0] if ids[0] in _PREFERRED else ids[len(history) % len(ids)]
-    constraint.accept(token)
+        token = _choice(constraint.allowed(N_VOCAB), history)
+    if token != EOS:
+        constraint.accept(token)
     return token
+
+
+def _choice(allowed: Sequence[bool], history: Sequence[int]) -> int:
+    """What the fake picks among the allowed tokens when its grammar refused the model's."""
+    ids = [t for t in _PREFERRED if allowed[t]] or [i for i, ok in enumerate(allowed) if ok]
+    if not ids:
+        return EOS
+    return ids[0] if ids[0] in _PREFERRED else ids[len(history) % len(ids)]
+
+
+@dataclass(eq=False)
+class _FakeRow:
+    """One item the fake runner samples for (`FakeRunner._verify`)."""
+
+    idx: int
+    item: BatchItem
+    cells: list[int]
+    sampler: FakeSampler
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.real = len(self.cells) - self.item.draft
+        self.guesses = self.item.tokens[len(self.item.tokens) - self.item.draft :]
+        self.constraint = self.sampler.constraint
+
+    def take(self, token: int) -> None:
+        self.tokens.append(token)
+        k = self.sampler.params.logprobs
+        if k is not None:
+            # A made-up distribution: the sampled token first, then the next ids.
+            top = tuple(((token + i) % N_VOCAB, -0.5 - i) for i in range(k))
+            self.logprobs.append(TokenLogprobs(token, -0.5, top))

@@ -3,14 +3,16 @@
 Every rule of `SpeculatingEngineMachine` (prefix reuse, n choices, tenants and preemption,
 hang-ups, decode faults, guesses right and wrong), with some requests constrained by a JSON
 schema, a regex, a choice or a Lark grammar (llguidance grammars from `to_grammar`, enforced
-by the fake runner with a real matcher). The fake model proposes letters; its guesses are the
-unconstrained model's, so inside a string or a letter class they are taken and elsewhere
-refused and rolled back.
+by the fake runner with a real matcher, the masks of a step's refusals filled together on
+llguidance's pool as the llama runner fills them). The fake model proposes letters; its
+guesses are the unconstrained model's, so inside a string or a letter class they are taken and
+elsewhere refused and rolled back.
 
 Oracles, for each constrained request that finished:
 - it equals what the same request produces alone (a fresh matcher over its prompt, step by
-  step, as the fake runner samples): no grammar state is lost, shared or advanced by a guess
-  that was not taken, across preemption, recompute and prefix reuse;
+  step, each mask computed on its own): no grammar state is lost, shared or advanced by a
+  guess that was not taken, across preemption, recompute and prefix reuse, and no row of a
+  fill together reaches another sequence;
 - one that ended by end-of-generation matches its constraint (jsonschema for schemas,
   re.fullmatch for regexes, membership for choices).
 """

@@ -31,6 +31,7 @@ from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
 from ferrum.engine.llama.sampler import Sampler
+from ferrum.engine.llama.step_sampling import Row, sample_rows
 from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.llama.window import WindowProbe
@@ -322,7 +323,7 @@ class LlamaRunner:
         result.decode_calls += 1
         rc = self._embd_batch.decode(self._ctx, run)
         if rc == 0 and run.sample_for is not None:
-            self._verify(run, len(run.tokens) - 1, self._samplers[run.sample_for], i, result)
+            self._sample([(i, run, len(run.tokens) - 1, run.sample_for)], result)
         return rc
 
     def _decode_split(self, idx: list[int], items: Sequence[BatchItem], result: StepResult) -> None:
@@ -356,8 +357,8 @@ class LlamaRunner:
             batch.logits,
         )
         n = 0
-        # (item index, batch index of the last real token, request id)
-        sample_at: list[tuple[int, int, str]] = []
+        # (item index, item, batch index of the last real token, request id)
+        sample_at: list[tuple[int, BatchItem, int, str]] = []
         for i in idx:
             item = items[i]
             seq, p = item.seq_id, item.start_pos
@@ -372,7 +373,7 @@ class LlamaRunner:
             if item.sample_for is not None:
                 for b in range(n - 1 - item.draft, n):
                     out[b] = 1
-                sample_at.append((i, n - 1 - item.draft, item.sample_for))
+                sample_at.append((i, item, n - 1 - item.draft, item.sample_for))
         if n > self._n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch {self._n_batch}")
         self._use_adapters([items[i] for i in idx], result)
@@ -383,8 +384,7 @@ class LlamaRunner:
         result.decode_s += time.perf_counter() - start
         if rc != 0:
             return rc
-        for i, b, request_id in sample_at:
-            self._verify(items[i], b, self._samplers[request_id], i, result)
+        self._sample(sample_at, result)
         return 0
 
     def _use_adapters(self, items: list[BatchItem], result: StepResult) -> None:
@@ -395,28 +395,19 @@ class LlamaRunner:
         if self._adapters is not None and self._adapters.use(self._ctx, sets.pop()):
             result.adapter_switches += 1
 
-    def _verify(
-        self, item: BatchItem, b: int, sampler: Sampler, i: int, result: StepResult
-    ) -> None:
-        """Samples at the last real token and, while each pick equals the next guess, at that
-        guess too; removes the positions of the guesses not taken."""
-        guesses = item.tokens[len(item.tokens) - item.draft :]
-        tokens, logprobs = [], []
-        for j in range(item.draft + 1):
-            token, lp = sampler.sample(self._ctx, b + j)
-            tokens.append(token)
-            if lp is not None:
-                logprobs.append(lp)
-            if j == item.draft or token != guesses[j]:
-                break
-        result.sampled[i] = tokens
-        result.mask_seconds += sampler.take_mask_seconds()
-        if logprobs:
-            result.logprobs[i] = logprobs
-        accepted = len(tokens) - 1
-        if accepted < item.draft:
-            kept = item.start_pos + len(item.tokens) - item.draft + accepted
-            self.trim_sequence(item.seq_id, kept)
+    def _sample(self, at: list[tuple[int, BatchItem, int, str]], result: StepResult) -> None:
+        """Samples each item at its last real token (batch index b) and at each guess taken,
+        the step's masks together (`step_sampling.py`); removes the guesses not taken."""
+        rows = [Row(item, self._samplers[rid], b) for _, item, b, rid in at]
+        sample_rows(self._ctx, rows)
+        for (i, item, _, _), row in zip(at, rows, strict=True):
+            result.sampled[i] = row.tokens
+            result.mask_seconds += row.sampler.take_mask_seconds()
+            if row.logprobs:
+                result.logprobs[i] = row.logprobs
+            if row.accepted < item.draft:
+                kept = item.start_pos + len(item.tokens) - item.draft + row.accepted
+                self.trim_sequence(item.seq_id, kept)
 
     def close(self) -> None:
         for request_id in list(self._samplers):

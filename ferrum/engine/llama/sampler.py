@@ -9,10 +9,13 @@ Constrained requests (structured output: JSON Schema, regex, choice, grammars) s
 an llguidance matcher (`engine/constraint.py`), sample-then-check: the chain picks a token from
 the unmasked logits and the matcher checks that one token (microseconds); only when it refuses
 is the whole vocabulary's mask computed (~50 µs) and the chain run again over the allowed
-tokens. A constrained request that asks for logprobs gets the mask at every position, and its
-logprobs describe the distribution it was sampled from (the model's, restricted to what the
-grammar allows). An end-of-generation token is allowed only once the grammar is complete; when
-the grammar allows nothing (or its matcher failed a step limit) the output ends.
+tokens. A step's sampling comes in two halves (`Sampler.begin`, then `finish` for the picks
+that wait for a mask) so that a runner fills all the masks of one step together
+(`constraint.allowed_together`). A constrained request that asks for logprobs gets the mask at
+every position, and its logprobs describe the distribution it was sampled from (the model's,
+restricted to what the grammar allows). An end-of-generation token is allowed only once the
+grammar is complete; when the grammar allows nothing (or its matcher failed a step limit) the
+output ends.
 
 This module, the runner and the vocabulary are the only ones that import llama_cpp.
 """
@@ -20,6 +23,7 @@ This module, the runner and the vocabulary are the only ones that import llama_c
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as ll
@@ -86,6 +90,19 @@ def _chain(params: SamplingParams, n_vocab: int) -> Any:
     return chain
 
 
+@dataclass(eq=False)
+class Pick:
+    """One position's sampling between `Sampler.begin` and `Sampler.finish`: its token once
+    taken, else the constraint whose mask it waits for."""
+
+    logits: np.ndarray  # llama.cpp's row, valid until the next decode
+    n_vocab: int
+    token: int = -1
+    logprobs: TokenLogprobs | None = None
+    waits: Constraint | None = None
+    dist: _Distribution | None = None
+
+
 class Sampler:
     """One request's sampling state: penalty history, RNG, grammar position, token count."""
 
@@ -134,25 +151,39 @@ class Sampler:
             view = self._views[address] = np.frombuffer(memoryview(row), dtype=np.float32)
         return view
 
-    def sample(self, ctx: Any, index: int) -> tuple[int, TokenLogprobs | None]:
-        logits = self._logits(ctx, index)
-        allowed = None
-        if self._constraint is not None and self._num_logprobs is not None:
-            allowed = self._constraint.allowed(self._n_vocab)
-        # Logprobs describe the model (restricted to the grammar when there is one), so they
-        # are read before the ban below edits the logits.
-        dist = None
+    def begin(self, ctx: Any, index: int) -> Pick:
+        """Samples batch position `index` as far as it goes without a mask: done when free or
+        when the grammar allows the chain's pick; else the pick waits for its constraint's
+        mask (a refusal, or logprobs asked: they describe the masked distribution), and
+        `finish` completes it. A runner fills the masks of all waiting picks together."""
+        pick = Pick(self._logits(ctx, index), self._n_vocab)
+        constraint = self._constraint
+        if constraint is not None and self._num_logprobs is not None:
+            pick.waits = constraint
+            return pick
         if self._num_logprobs is not None:
-            described = logits if allowed is None else np.where(allowed, logits, -np.inf)
-            dist = _Distribution(described, self._num_logprobs)
+            # Logprobs describe the model, read before the ban below edits the logits.
+            pick.dist = _Distribution(pick.logits, self._num_logprobs)
+        self._ban_early_end(pick.logits)
+        token = self._pick(ctx, index, pick.logits)
+        if constraint is not None and not constraint.allows(token):
+            pick.waits = constraint
+            return pick
+        self._take(pick, token)
+        return pick
+
+    def finish(self, pick: Pick, allowed: np.ndarray) -> None:
+        """Samples a waiting pick again, over the tokens its mask allows."""
+        if self._num_logprobs is not None:  # nothing was done in `begin`
+            described = np.where(allowed, pick.logits, -np.inf)
+            pick.dist = _Distribution(described, self._num_logprobs)
+            self._ban_early_end(pick.logits)
+        pick.waits = None
+        self._take(pick, self._masked(pick.logits, allowed))
+
+    def _ban_early_end(self, logits: np.ndarray) -> None:
         if self._sampled < self._min_tokens and self._early_ban.size:
-            logits[self._early_ban] = -np.inf  # llama.cpp's own logits buffer, read below
-        if self._constraint is not None:
-            token = self._sample_constrained(self._constraint, ctx, index, logits, allowed)
-        else:
-            token = self._pick(ctx, index, logits)
-        self._sampled += 1
-        return token, None if dist is None else dist.describe(token)
+            logits[self._early_ban] = -np.inf  # llama.cpp's own logits buffer, read after
 
     def _pick(self, ctx: Any, index: int, logits: np.ndarray) -> int:
         """The chain's token from the unmasked logits (not accepted into a stateful chain)."""
@@ -165,36 +196,31 @@ class Sampler:
             return int(ll.llama_sampler_sample(self._chain, ctx, index))
         return self._apply([self._chain], logits)
 
-    def _sample_constrained(
-        self,
-        constraint: Constraint,
-        ctx: Any,
-        index: int,
-        logits: np.ndarray,
-        allowed: np.ndarray | None,
-    ) -> int:
-        token = -1
-        if allowed is None:
-            token = self._pick(ctx, index, logits)
-            if not constraint.allows(token):
-                allowed = constraint.allowed(self._n_vocab)
-        if allowed is not None:
-            # Greedy picks what it would have picked had every position been masked; sampling
-            # draws from the allowed tokens as the chain would (temperature, top-k/p after
-            # the mask).
-            ids = np.flatnonzero(allowed & np.isfinite(logits))
-            if not ids.size:
-                return self._end_token  # the grammar admits nothing more
-            if self._plain_greedy:
-                token = int(ids[np.argmax(logits[ids])])
-            else:
-                token = self._apply([self._chain], logits, ids)
-            if not allowed[token]:
-                return self._end_token
-        constraint.accept(token)
-        if not self._stateless_chain:
-            ll.llama_sampler_accept(self._chain, token)
-        return token
+    def _masked(self, logits: np.ndarray, allowed: np.ndarray) -> int | None:
+        """The chain's token among the allowed ones; None when the grammar admits nothing.
+        Greedy picks what it would have picked had every position been masked; sampling draws
+        from the allowed tokens as the chain would (temperature, top-k/p after the mask)."""
+        ids = np.flatnonzero(allowed & np.isfinite(logits))
+        if not ids.size:
+            return None
+        if self._plain_greedy:
+            token = int(ids[np.argmax(logits[ids])])
+        else:
+            token = self._apply([self._chain], logits, ids)
+        return token if allowed[token] else None
+
+    def _take(self, pick: Pick, token: int | None) -> None:
+        """The pick's token (the end where the grammar admits nothing), accepted into the
+        matcher and into a chain that remembers tokens."""
+        if token is None:
+            token = self._end_token
+        elif self._constraint is not None:
+            self._constraint.accept(token)
+            if not self._stateless_chain:
+                ll.llama_sampler_accept(self._chain, token)
+        pick.token = token
+        pick.logprobs = None if pick.dist is None else pick.dist.describe(token)
+        self._sampled += 1
 
     def take_mask_seconds(self) -> list[float]:
         """The seconds of each mask computed since the last call (for the metrics)."""
