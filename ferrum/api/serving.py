@@ -28,6 +28,7 @@ from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.openai.dialect import OPENAI
 from ferrum.api.prompting.chat_template import ChatFormatter, Tokenize
 from ferrum.api.prompting.images import image_parts, prompt_with_images
+from ferrum.api.prompting.preparation import light_body
 from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
@@ -167,11 +168,13 @@ def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:
 
 
 async def prepare(
-    prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B
+    prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B, http: Request
 ) -> Prepared:
     """Runs request preparation off the event loop, which every open stream is waiting on,
-    and in turns with the decodes (`ferrum.api.prompting.preparation`)."""
-    return await model.preparer.run(functools.partial(prepare_fn, model, body))
+    and in turns with the decodes (`ferrum.api.prompting.preparation`); a short body's
+    without waiting for a turn."""
+    light = light_body(http.headers.get("content-length"))
+    return await model.preparer.run(functools.partial(prepare_fn, model, body), light)
 
 
 def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:
@@ -359,7 +362,7 @@ async def serve_request(
     try:
         model = lease.model
         body = with_defaults(model, body)
-        prepared = await prepare(prepare_fn, model, body)
+        prepared = await prepare(prepare_fn, model, body, http)
         reply.begin(prepared)
         sub = submit(state, caller_of(http), model, body, prepared, whole=not reply.stream)
     except BaseException:

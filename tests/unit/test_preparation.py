@@ -152,3 +152,69 @@ def test_the_thread_ends_when_idle_and_comes_back(monkeypatch):
         assert await preparer.run(lambda: 2) == 2
 
     asyncio.run(main())
+
+
+def _held_turn(turns: Turns) -> tuple[threading.Event, threading.Event, threading.Thread]:
+    """An engine that holds the cores until released: (entered, release, its thread)."""
+    holder = turns.join("engine")
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with holder.turn():
+            entered.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    entered.wait(5)
+    return entered, release, thread
+
+
+def test_a_light_preparation_does_not_wait_for_the_step_in_flight():
+    turns = Turns()
+    preparer = Preparer(turns)
+    _, release, thread = _held_turn(turns)
+
+    async def main():
+        light = await asyncio.wait_for(preparer.run(lambda: "light", light=True), 2)
+        heavy = asyncio.ensure_future(preparer.run(lambda: "heavy"))
+        await asyncio.sleep(0.05)
+        assert not heavy.done()  # an ordinary one still waits for its turn
+        release.set()
+        return light, await asyncio.wait_for(heavy, 5)
+
+    try:
+        assert asyncio.run(main()) == ("light", "heavy")
+    finally:
+        release.set()
+        thread.join(5)
+
+
+def test_light_preparations_outside_turns_stay_within_their_allowance():
+    """20 light preparations of 2 ms during one long step: the allowance (10 ms) lets a few
+    run beside it, the rest wait for the step to end."""
+    turns = Turns()
+    preparer = Preparer(turns)
+    _, release, thread = _held_turn(turns)
+    ended_at: list[float] = []
+
+    def prepare() -> None:
+        time.sleep(0.002)
+        ended_at.append(time.monotonic())
+
+    async def main():
+        jobs = [asyncio.ensure_future(preparer.run(prepare, light=True)) for _ in range(20)]
+        await asyncio.sleep(0.3)
+        released = time.monotonic()
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*jobs), 5)
+        return released
+
+    try:
+        released = asyncio.run(main())
+    finally:
+        release.set()
+        thread.join(5)
+    beside = sum(t < released for t in ended_at)
+    assert 1 <= beside <= 7, beside
+    assert len(ended_at) == 20
