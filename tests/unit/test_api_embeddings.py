@@ -130,9 +130,9 @@ def test_the_models_list_says_which_model_embeds(client):
 
 
 def test_ollama_embed_and_embeddings_with_the_official_client(client):
-    from tests.unit.test_ollama_api import _Bridge  # the in-process transport for ollama
+    from tests.schema_check import OllamaBridge  # the in-process transport for ollama
 
-    oll = ollama.Client(host="http://testserver", transport=_Bridge(client))
+    oll = ollama.Client(host="http://testserver", transport=OllamaBridge(client))
     out = oll.embed(model="embed", input=["abc", "xyz"])
     assert len(out.embeddings) == 2 and out.prompt_eval_count == 8
     assert np.linalg.norm(out.embeddings[0]) == pytest.approx(1.0)
