@@ -87,9 +87,8 @@ class LLMEngine:
         """The speculator, or None when speculation is off or the model cannot roll back."""
         if not config.enabled:
             return None
-        if info.is_recurrent or info.is_hybrid or info.n_swa > 0:
-            kind = "a sliding window" if info.n_swa > 0 else "recurrent state"
-            log.info("speculation off: this model has %s, which cannot drop rejected drafts", kind)
+        if info.is_recurrent or info.is_hybrid:
+            log.info("speculation off: recurrent state cannot drop rejected drafts")
             return None
         return Speculator(config) if drafter is None else Speculator(config, drafter)
 

@@ -12,12 +12,16 @@ oracle continues from the side the engine took.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.llama.runner import LlamaRunner
+from ferrum.engine.speculation.speculator import SpecConfig
 from tests.factories import run_to_completion, sampling
 from tests.profiles import examples
 from tests.tiny_models import BOS_ID
@@ -119,3 +123,61 @@ def test_sliding_window_state_machine(tiny_gemma3):
         machine.runTest()
     finally:
         SlidingWindowMachine.alone.engine.runner.close()
+
+
+class _WindowDrafter:
+    """Guesses from the model itself: a history's greedy continuation decoded alone,
+    corrupted at a random position (or not at all), so every acceptance length and every
+    rollback depth meets the window cache."""
+
+    def __init__(self, alone: _Oracle, rng: random.Random):
+        self.alone, self.rng = alone, rng
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        out = self.alone.tokens(list(tokens), k)
+        wrong = self.rng.randrange(k + 2)  # k or more: all right
+        if wrong < len(out):
+            out[wrong] = (out[wrong] + 1) % 64
+        return out
+
+
+class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
+    """The same traffic with guesses of up to 4 tokens on the decodes: a rejected guess is
+    rolled back after llama.cpp placed it, and the window cells it displaced must not be any
+    the sequence still attends to (speculator.py says why they are not). Same oracles."""
+
+    drafts = 0  # verified drafts over the whole run: the guesses did go in
+
+    def make_engine(self):
+        assert self.alone is not None
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
+        runner = LlamaRunner(cfg, self.path)
+        drafter = _WindowDrafter(self.alone, random.Random(0))
+        spec = SpecConfig(draft_max=4, batch_max=8)
+        engine = LLMEngine(
+            runner, block_size=BLOCK, max_running=PARALLEL, speculation=spec,
+            drafter=lambda _: drafter,
+        )  # fmt: skip
+        return runner, engine
+
+    def teardown(self) -> None:
+        if self.engine.speculator is not None:
+            type(self).drafts += self.engine.speculator.drafted
+        super().teardown()
+
+
+def test_sliding_window_state_machine_with_speculation(tiny_gemma3):
+    path = SpeculatingSlidingWindowMachine.path = tiny_gemma3
+    SpeculatingSlidingWindowMachine.alone = _Oracle(path)
+    try:
+        machine = SpeculatingSlidingWindowMachine.TestCase()
+        machine.settings = settings(
+            max_examples=examples(40),
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )
+        machine.runTest()
+        assert SpeculatingSlidingWindowMachine.drafts > 0
+    finally:
+        SpeculatingSlidingWindowMachine.alone.engine.runner.close()

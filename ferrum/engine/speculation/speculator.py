@@ -33,8 +33,16 @@ second (`Speculator`), so on one stream likely guesses go in and where the batch
 wide only the likeliest. Across the step, `batch_max` bounds the draft tokens of all
 requests together.
 
-Off for recurrent and hybrid models (their state cannot drop the rejected positions) and
-for sliding-window models (the window cache may recycle cells a rollback needs again).
+Off for recurrent and hybrid models (their state cannot drop the rejected positions).
+On sliding-window models (Gemma 3) a rollback is safe, by how llama.cpp's window cache picks
+cells (vendored llama-kv-cache.cpp, `find_slot`): while placing a micro-batch it may take over
+a cell whose only owner's newest position *before that micro-batch* is `n_swa` or more past
+it. A draft `[last, d1 … dk]` goes into one micro-batch (n_ubatch = n_batch, and a step is
+never split inside one request's tokens), so the cells it displaces lie at or below
+`m + 1 - n_swa` for the sequence's newest position m before the step; after the rollback to
+an accepted position a ≥ m, the next token at a + 1 attends back to `a + 2 - n_swa` > that.
+The window it needs is never among what its own draft displaced. (The sliding-window state
+machine checks both the tokens and the window on tiny Gemma 3 with a window of 8.)
 """
 
 from __future__ import annotations
