@@ -90,9 +90,11 @@ def server_command(arm: Arm, s: BenchSettings, model: str, port: int) -> list[st
         binary = llama_cpp_build_dir(LLAMA_SERVER_FLAVORS[arm.kind]) / "llama-server"
         cmd = [str(binary), "-m", model, "--port", p]
         cmd += ["-t", t, "-tb", t, "-np", str(s.parallel), "-c", c]
-        # --kv-unified: one shared cell pool like ferrum's, instead of ctx/np cells per slot.
+        # --kv-unified: one shared cell pool like ferrum's, instead of ctx/np cells per slot
+        # (`peer_kv_unified=0`: as llama-server runs by default, each slot its own cells).
         # --log-verbosity 2: warnings and errors only (no per-request info lines).
-        return [*cmd, "--kv-unified", "--no-webui", "--log-verbosity", "2"]
+        unified = ["--kv-unified"] if s.peer_kv_unified else []
+        return [*cmd, *unified, "--no-webui", "--log-verbosity", "2"]
     if arm.kind == "llama-cpp-python":
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", p]
         cmd += ["--n_ctx", c, "--n_threads", t, "--n_threads_batch", t]

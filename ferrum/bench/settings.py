@@ -20,6 +20,9 @@ class BenchSettings:
     threads: int = 2  # CPU threads of every server and of the engine workload
     ctx_size: int = 8192  # total KV cells; every arm lets one sequence use all of them
     parallel: int = 16  # sequences decoding at once (the sweep's highest concurrency)
+    # llama-server's cells: 1, one pool any slot may fill (`--kv-unified`, ferrum's shape);
+    # 0, ctx/np cells per slot, each slot attending over its own (its default with -np)
+    peer_kv_unified: int = 1
     # sweep: unique unrelated prompts, `sweep_tokens` output tokens each (ignore_eos)
     sweep_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
     sweep_tokens: int = 64

@@ -165,6 +165,15 @@ def test_llama_server_arms_run_their_own_builds(tmp_path, monkeypatch):
     assert binaries["llama-server"] != binaries["llama-server-default"]
 
 
+def test_llama_server_gets_one_cell_pool_unless_told_to_run_as_its_default():
+    from ferrum.bench.arms import make_arm, server_command
+
+    arm = make_arm("llama-server-default", "llama-server-default")
+    assert "--kv-unified" in server_command(arm, FULL, "m.gguf", 8080)
+    per_slot = server_command(arm, FULL.replace(peer_kv_unified=0), "m.gguf", 8080)
+    assert "--kv-unified" not in per_slot and "-np" in per_slot
+
+
 def test_rate_while_all_busy_counts_until_the_first_client_is_done():
     # Client a: two requests of 100 tokens over 0-1 s and 1-2 s; client b: one of 300
     # tokens over 0-3 s. Until 2 s both are busy: a's 200 tokens and two thirds of b's.
