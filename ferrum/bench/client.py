@@ -176,3 +176,31 @@ async def probe_ignore_eos(client: httpx.AsyncClient, model: str) -> bool:
     body = {"model": model, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
     resp = await client.post("/v1/completions", json=body)
     return resp.status_code == 200
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample:
+    """One streamed `/v1/chat/completions` request (`body` as given, `stream` set), timed per
+    chunk with content like `stream_completion`; its usage read when the server sends one."""
+    user = body["messages"][-1]["content"]
+    sample = Sample(prompt=str(user), max_tokens=int(body.get("max_tokens") or 0))
+    text: list[str] = []
+    sample.t_start = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        if r.status_code != 200:
+            detail = (await r.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {r.status_code}: {detail[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                _read_usage(sample, event["usage"])
+            for choice in event.get("choices") or ():
+                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
+                if (choice.get("delta") or {}).get("content"):
+                    sample.chunk_times.append(now)
+                    text.append(choice["delta"]["content"])
+    sample.t_end = time.perf_counter()
+    sample.text = "".join(text)
+    return sample
