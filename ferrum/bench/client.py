@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,27 +101,7 @@ async def stream_completion(
     `n` choices, their chunks all count)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
     body = request_body(model, prompt, max_tokens, dialect, fixed, n)
-    text: list[str] = []
-    sample.t_start = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")
-            raise RuntimeError(f"HTTP {resp.status_code}: {detail[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if event.get("usage"):
-                _read_usage(sample, event["usage"])
-            for choice in event.get("choices") or ():
-                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
-                if choice.get("text"):
-                    sample.chunk_times.append(now)
-                    sample.choices_seen.add(choice.get("index", 0))
-                    text.append(choice["text"])
-    sample.t_end = time.perf_counter()
-    sample.text = "".join(text)
+    await _stream(client, "/v1/completions", body, sample, lambda choice: choice.get("text"))
     if not sample.chunk_times:
         raise RuntimeError(f"stream without text (finish_reason {sample.finish_reason})")
     return sample
@@ -183,13 +164,25 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample
     chunk with content like `stream_completion`; its usage read when the server sends one."""
     user = body["messages"][-1]["content"]
     sample = Sample(prompt=str(user), max_tokens=int(body.get("max_tokens") or 0))
+    body = body | {"stream": True}
+    await _stream(client, "/v1/chat/completions", body, sample,
+                  lambda choice: (choice.get("delta") or {}).get("content"))  # fmt: skip
+    return sample
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], sample: Sample,
+    piece: Callable[[dict[str, Any]], str | None],
+) -> None:  # fmt: skip
+    """POST a streamed request and fill `sample` as its events arrive: a chunk time for every
+    choice whose `piece` (its text or its delta's content) is not empty, finish reason, usage."""
     text: list[str] = []
     sample.t_start = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
-        if r.status_code != 200:
-            detail = (await r.aread()).decode(errors="replace")
-            raise RuntimeError(f"HTTP {r.status_code}: {detail[:300]}")
-        async for line in r.aiter_lines():
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status_code}: {detail[:300]}")
+        async for line in resp.aiter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             now = time.perf_counter()
@@ -198,9 +191,9 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample
                 _read_usage(sample, event["usage"])
             for choice in event.get("choices") or ():
                 sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
-                if (choice.get("delta") or {}).get("content"):
+                if words := piece(choice):
                     sample.chunk_times.append(now)
-                    text.append(choice["delta"]["content"])
+                    sample.choices_seen.add(choice.get("index", 0))
+                    text.append(words)
     sample.t_end = time.perf_counter()
     sample.text = "".join(text)
-    return sample

@@ -4,12 +4,14 @@ totals (no server is started here)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
 from ferrum.bench import schema_corpus
-from ferrum.bench.client import Sample
+from ferrum.bench.client import Dialect, Sample, stream_chat, stream_completion
 from ferrum.bench.schema_corpus import CorpusTally, generate, invalid_reason, totals_markdown
 from ferrum.bench.studies import StudyRun, structured
 from ferrum.bench.studies.speculation import SAME_OUTPUT
@@ -182,3 +184,42 @@ def test_sizes_quick_knobs_and_bad_kinds(tmp_path):
 def test_an_unknown_arm_is_refused_before_any_server_starts(tmp_path):
     with pytest.raises(ValueError, match="llama-server-default"):
         structured.measure(_run(tmp_path), "vllm", 1)
+
+
+# -- the streams' reader --------------------------------------------------------------------
+
+
+def _sse(events: list[dict]) -> httpx.MockTransport:
+    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.MockTransport(lambda request: httpx.Response(200, text=text))
+
+
+def test_a_chat_stream_is_timed_per_chunk_with_content():
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},  # no content: no chunk
+        {"choices": [{"index": 0, "delta": {"content": '{"a"'}}]},
+        {"choices": [{"index": 0, "delta": {"content": ": 1}"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}},
+    ]
+
+    async def go() -> Sample:
+        async with httpx.AsyncClient(transport=_sse(events), base_url="http://x") as http:
+            return await stream_chat(http, structured.body("schema", 8, 1))
+
+    sample = asyncio.run(go())
+    assert sample.text == '{"a": 1}' and len(sample.chunk_times) == 2
+    assert (sample.finish_reason, sample.prompt_tokens, sample.completion_tokens) == ("stop", 9, 2)
+    assert sample.max_tokens == 8 and sample.t_start <= sample.chunk_times[0] <= sample.t_end
+
+
+def test_a_completion_stream_reads_text_and_refuses_an_empty_one():
+    events = [{"choices": [{"index": 0, "text": "once"}]}, {"choices": [{"index": 1, "text": "!"}]}]
+
+    async def go(evs: list[dict]) -> Sample:
+        async with httpx.AsyncClient(transport=_sse(evs), base_url="http://x") as http:
+            return await stream_completion(http, "m", "p", 4, Dialect(), n=2)
+
+    sample = asyncio.run(go(events))
+    assert sample.text == "once!" and sample.choices_seen == {0, 1}
+    with pytest.raises(RuntimeError, match="stream without text"):
+        asyncio.run(go([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}]))
