@@ -101,7 +101,7 @@ async def stream_completion(
     `n` choices, their chunks all count)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
     body = request_body(model, prompt, max_tokens, dialect, fixed, n)
-    await _stream(client, "/v1/completions", body, sample, lambda choice: choice.get("text"))
+    await _stream(client, "/v1/completions", body, sample, _text)
     if not sample.chunk_times:
         raise RuntimeError(f"stream without text (finish_reason {sample.finish_reason})")
     return sample
@@ -159,15 +159,23 @@ async def probe_ignore_eos(client: httpx.AsyncClient, model: str) -> bool:
     return resp.status_code == 200
 
 
-async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample:
-    """One streamed `/v1/chat/completions` request (`body` as given, `stream` set), timed per
-    chunk with content like `stream_completion`; its usage read when the server sends one."""
-    user = body["messages"][-1]["content"]
-    sample = Sample(prompt=str(user), max_tokens=int(body.get("max_tokens") or 0))
-    body = body | {"stream": True}
-    await _stream(client, "/v1/chat/completions", body, sample,
-                  lambda choice: (choice.get("delta") or {}).get("content"))  # fmt: skip
+async def stream_body(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Sample:
+    """One streamed request of `body` as given (`stream` set) to `path`, /v1/completions or
+    /v1/chat/completions, timed per chunk with text like `stream_completion`; its usage read
+    when the server sends one. A stream without text is no error here."""
+    chat = path.endswith("/chat/completions")
+    prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+    sample = Sample(prompt=str(prompt), max_tokens=int(body.get("max_tokens") or 0))
+    await _stream(client, path, body | {"stream": True}, sample, _content if chat else _text)
     return sample
+
+
+def _text(choice: dict[str, Any]) -> str | None:
+    return choice.get("text")
+
+
+def _content(choice: dict[str, Any]) -> str | None:
+    return (choice.get("delta") or {}).get("content")
 
 
 async def _stream(

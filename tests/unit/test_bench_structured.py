@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from ferrum.bench import schema_corpus
-from ferrum.bench.client import Dialect, Sample, stream_chat, stream_completion
+from ferrum.bench.client import Dialect, Sample, stream_body, stream_completion
 from ferrum.bench.schema_corpus import CorpusTally, generate, invalid_reason, totals_markdown
 from ferrum.bench.studies import StudyRun, structured
 from ferrum.bench.studies.speculation import SAME_OUTPUT
@@ -204,7 +204,7 @@ def test_a_chat_stream_is_timed_per_chunk_with_content():
 
     async def go() -> Sample:
         async with httpx.AsyncClient(transport=_sse(events), base_url="http://x") as http:
-            return await stream_chat(http, structured.body("schema", 8, 1))
+            return await stream_body(http, "/v1/chat/completions", structured.body("schema", 8, 1))
 
     sample = asyncio.run(go())
     assert sample.text == '{"a": 1}' and len(sample.chunk_times) == 2

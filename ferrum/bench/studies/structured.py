@@ -40,7 +40,7 @@ import httpx
 
 from ferrum.bench import schema_corpus
 from ferrum.bench.arms import LLAMA_SERVER_FLAVORS
-from ferrum.bench.client import Dialect, Sample, stream_chat, stream_completion
+from ferrum.bench.client import Dialect, Sample, stream_body, stream_completion
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun, run_study
@@ -50,6 +50,7 @@ from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
 ARMS = ("ferrum", "llama-server-default")
 KINDS = ("free", "schema", "logprobs")
+CHAT = "/v1/chat/completions"
 MODEL = "bench"  # ferrum serves the file under this name; llama-server takes any
 PARALLEL, CTX = 12, 8192  # room for 8 clients, and for the stall's 4 streams beside 8 arrivals
 STREAMS, BURST = 4, 8
@@ -173,8 +174,8 @@ def metric_list(s: Sizes) -> tuple[Metric, ...]:
 
 async def _cell(http: httpx.AsyncClient, kind: str, clients: int, s: Sizes) -> dict[str, float]:
     async def client() -> list[Sample]:
-        return [await stream_chat(http, body(kind, s.tokens, random.getrandbits(30)))
-                for _ in range(s.reps)]  # fmt: skip
+        bodies = [body(kind, s.tokens, random.getrandbits(30)) for _ in range(s.reps)]
+        return [await stream_body(http, CHAT, b) for b in bodies]
 
     t0 = time.perf_counter()
     per_client = await asyncio.gather(*(client() for _ in range(clients)))
@@ -194,7 +195,7 @@ async def _stall(http: httpx.AsyncClient, round_no: int, s: Sizes) -> dict[str, 
         t1 = time.perf_counter()
         for b in range(s.bursts):
             bodies = stall_bodies(round_no * s.bursts + b, s.props)
-            replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=x)
+            replies = await asyncio.gather(*(http.post(CHAT, json=x)
                                              for x in bodies))  # fmt: skip
             if bad := [r.text[:200] for r in replies if r.status_code != 200]:
                 raise RuntimeError(f"a stall schema was refused: {bad[0]}")
@@ -217,7 +218,7 @@ async def _corpus(http: httpx.AsyncClient, round_no: int, s: Sizes) -> schema_co
         async with gate:
             try:
                 request = corpus_body(schema, s.corpus_tokens)
-                r = await http.post("/v1/chat/completions", json=request)
+                r = await http.post(CHAT, json=request)
             except httpx.HTTPError as exc:
                 return 0, f"{type(exc).__name__}: {exc}"
         try:
@@ -235,7 +236,7 @@ async def _corpus(http: httpx.AsyncClient, round_no: int, s: Sizes) -> schema_co
 
 async def _measure(url: str, round_no: int, s: Sizes) -> tuple[dict[str, float], Any]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        await stream_chat(http, body("free", 8, -round_no))  # warm-up
+        await stream_body(http, CHAT, body("free", 8, -round_no))  # warm-up
         metrics: dict[str, float] = {}
         for c in s.clients:
             for kind in s.kinds:

@@ -26,7 +26,6 @@ tokens), greedy, one client:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shutil
 import time
@@ -35,6 +34,7 @@ from statistics import median
 
 import httpx
 
+from ferrum.bench.client import stream_body
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
@@ -88,22 +88,10 @@ def _client(url: str) -> httpx.AsyncClient:
 async def _ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, str, int]:
     """(TTFT, text, cached prompt tokens where the server says) of one streamed request."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "repetition_penalty": 1.0, "repeat_penalty": 1.0, "stream": True,
+            "repetition_penalty": 1.0, "repeat_penalty": 1.0,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    start, first, text, cached = time.perf_counter(), 0.0, [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            usage = event.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
-            for choice in event.get("choices") or ():
-                if choice.get("text"):
-                    first = first or time.perf_counter() - start
-                    text.append(choice["text"])
-    return first, "".join(text), cached
+    sample = await stream_body(http, "/v1/completions", body)
+    return sample.ttft_s or 0.0, sample.text, sample.cached_tokens or 0
 
 
 async def _multiturn(url: str, turns: int) -> dict[str, float]:
