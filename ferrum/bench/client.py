@@ -17,6 +17,14 @@ from typing import Any
 import httpx
 
 
+def http_client(url: str, timeout: float = 600) -> httpx.AsyncClient:
+    """A client on `url` that opens a connection per request: llama-server's HTTP library
+    closes a kept-alive connection after a few requests, which a client sending the next one
+    at once sees as a disconnect ("Server disconnected without sending a response")."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+
+
 @dataclass(frozen=True)
 class Dialect:
     """How to ask one server for what every arm must do alike.

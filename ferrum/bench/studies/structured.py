@@ -33,6 +33,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ import httpx
 
 from ferrum.bench import schema_corpus
 from ferrum.bench.arms import LLAMA_SERVER_FLAVORS
-from ferrum.bench.client import Dialect, Sample, stream_body, stream_completion
+from ferrum.bench.client import Dialect, Sample, http_client, stream_body, stream_completion
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun, run_study
@@ -54,6 +55,7 @@ CHAT = "/v1/chat/completions"
 MODEL = "bench"  # ferrum serves the file under this name; llama-server takes any
 PARALLEL, CTX = 12, 8192  # room for 8 clients, and for the stall's 4 streams beside 8 arrivals
 STREAMS, BURST = 4, 8
+BASELINE_GAPS = 20  # inter-token gaps the stall's baseline window holds at least
 CORPUS_AT_ONCE = 8
 PROMPT = "Fill in this JSON form with plausible values."
 
@@ -183,15 +185,32 @@ async def _cell(http: httpx.AsyncClient, kind: str, clients: int, s: Sizes) -> d
     return cell_metrics(kind, clients, [x for c in per_client for x in c], wall)
 
 
+async def _wait(tasks: list[asyncio.Task], done: Callable[[], bool], what: str) -> None:
+    """Poll until `done()`; a stream that ended before, or a minute and a half, is an error."""
+    deadline = time.perf_counter() + 90
+    while not done():
+        if ended := [t for t in tasks if t.done()]:
+            await ended[0]  # its error, if it had one
+            raise RuntimeError("a stall stream ended early")
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the stall's streams: {what} not within 90 s")
+        await asyncio.sleep(0.05)
+
+
 async def _stall(http: httpx.AsyncClient, round_no: int, s: Sizes) -> dict[str, float]:
     streams = [Sample(prompt=f"Story {round_no * 10 + i}: once upon a time", max_tokens=2000)
                for i in range(STREAMS)]  # fmt: skip
     tasks = [asyncio.create_task(stream_completion(http, MODEL, x.prompt, x.max_tokens, Dialect(),
                                                    sample=x)) for x in streams]  # fmt: skip
-    try:
-        await asyncio.sleep(3.0)  # all four decoding
+
+    def since(t: float) -> int:
+        return sum(c >= t for x in streams for c in x.chunk_times)
+
+    try:  # a baseline of 1.5 s at least, and of BASELINE_GAPS gaps (a busy machine is slow)
+        await _wait(tasks, lambda: all(len(x.chunk_times) >= 2 for x in streams), "decoding")
         t0 = time.perf_counter()
         await asyncio.sleep(1.5)
+        await _wait(tasks, lambda: since(t0) >= BASELINE_GAPS, f"{BASELINE_GAPS} gaps")
         t1 = time.perf_counter()
         for b in range(s.bursts):
             bodies = stall_bodies(round_no * s.bursts + b, s.props)
@@ -204,7 +223,9 @@ async def _stall(http: httpx.AsyncClient, round_no: int, s: Sizes) -> dict[str, 
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+    if failed := [e for e in ended if isinstance(e, Exception)]:
+        raise RuntimeError(f"a stall stream failed: {failed[0]!r}")
     stamps = [x.chunk_times for x in streams]
     base, burst = p99_gap_ms(stamps, t0, t1), p99_gap_ms(stamps, t1, t2 + 0.3)
     return {"stall baseline p99": base, "stall burst p99": burst,
@@ -235,7 +256,7 @@ async def _corpus(http: httpx.AsyncClient, round_no: int, s: Sizes) -> schema_co
 
 
 async def _measure(url: str, round_no: int, s: Sizes) -> tuple[dict[str, float], Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with http_client(url) as http:
         await stream_body(http, CHAT, body("free", 8, -round_no))  # warm-up
         metrics: dict[str, float] = {}
         for c in s.clients:
