@@ -154,7 +154,7 @@ def with_ratios(metrics: dict[str, float], clients: tuple[int, ...]) -> dict[str
     for c in clients:
         free, schema = metrics.get(f"c={c} free tok/s"), metrics.get(f"c={c} schema tok/s")
         if free and schema is not None:
-            out[f"c={c} schema÷free"] = schema / free
+            out[f"c={c} schema/free"] = schema / free
     return out
 
 
@@ -166,10 +166,10 @@ def metric_list(s: Sizes) -> tuple[Metric, ...]:
             out += [Metric(f"c={c} {kind} tok/s", "tok/s", True, 1),
                     Metric(f"c={c} {kind} ttft", "s", False)]  # fmt: skip
         if {"free", "schema"} <= set(s.kinds):
-            out.append(Metric(f"c={c} schema÷free", "x", True, 2))
+            out.append(Metric(f"c={c} schema/free", "x", True, 2))
     out += [Metric("stall baseline p99", "ms", False, 1),
             Metric("stall burst p99", "ms", False, 1),
-            Metric("stall burst÷baseline", "x", False, 2),
+            Metric("stall burst/baseline", "x", False, 2),
             Metric("stall burst", "s", False)]  # fmt: skip
     return tuple(out)
 
@@ -229,7 +229,7 @@ async def _stall(http: httpx.AsyncClient, round_no: int, s: Sizes) -> dict[str, 
     stamps = [x.chunk_times for x in streams]
     base, burst = p99_gap_ms(stamps, t0, t1), p99_gap_ms(stamps, t1, t2 + 0.3)
     return {"stall baseline p99": base, "stall burst p99": burst,
-            "stall burst÷baseline": burst / base, "stall burst": t2 - t1}  # fmt: skip
+            "stall burst/baseline": burst / base, "stall burst": t2 - t1}  # fmt: skip
 
 
 async def _corpus(http: httpx.AsyncClient, round_no: int, s: Sizes) -> schema_corpus.CorpusTally:
