@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+
+def http_client(url: str, timeout: float = 600) -> httpx.AsyncClient:
+    """A client on `url` that opens a connection per request: llama-server's HTTP library
+    closes a kept-alive connection after a few requests, which a client sending the next one
+    at once sees as a disconnect ("Server disconnected without sending a response")."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
 
 
 @dataclass(frozen=True)
@@ -100,27 +109,7 @@ async def stream_completion(
     `n` choices, their chunks all count)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
     body = request_body(model, prompt, max_tokens, dialect, fixed, n)
-    text: list[str] = []
-    sample.t_start = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")
-            raise RuntimeError(f"HTTP {resp.status_code}: {detail[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[5:])
-            if event.get("usage"):
-                _read_usage(sample, event["usage"])
-            for choice in event.get("choices") or ():
-                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
-                if choice.get("text"):
-                    sample.chunk_times.append(now)
-                    sample.choices_seen.add(choice.get("index", 0))
-                    text.append(choice["text"])
-    sample.t_end = time.perf_counter()
-    sample.text = "".join(text)
+    await _stream(client, "/v1/completions", body, sample, _text)
     if not sample.chunk_times:
         raise RuntimeError(f"stream without text (finish_reason {sample.finish_reason})")
     return sample
@@ -176,3 +165,51 @@ async def probe_ignore_eos(client: httpx.AsyncClient, model: str) -> bool:
     body = {"model": model, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
     resp = await client.post("/v1/completions", json=body)
     return resp.status_code == 200
+
+
+async def stream_body(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Sample:
+    """One streamed request of `body` as given (`stream` set) to `path`, /v1/completions or
+    /v1/chat/completions, timed per chunk with text like `stream_completion`; its usage read
+    when the server sends one. A stream without text is no error here."""
+    chat = path.endswith("/chat/completions")
+    prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+    sample = Sample(prompt=str(prompt), max_tokens=int(body.get("max_tokens") or 0))
+    await _stream(client, path, body | {"stream": True}, sample, _content if chat else _text)
+    return sample
+
+
+def _text(choice: dict[str, Any]) -> str | None:
+    return choice.get("text")
+
+
+def _content(choice: dict[str, Any]) -> str | None:
+    return (choice.get("delta") or {}).get("content")
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], sample: Sample,
+    piece: Callable[[dict[str, Any]], str | None],
+) -> None:  # fmt: skip
+    """POST a streamed request and fill `sample` as its events arrive: a chunk time for every
+    choice whose `piece` (its text or its delta's content) is not empty, finish reason, usage."""
+    text: list[str] = []
+    sample.t_start = time.perf_counter()
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {resp.status_code}: {detail[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                _read_usage(sample, event["usage"])
+            for choice in event.get("choices") or ():
+                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
+                if words := piece(choice):
+                    sample.chunk_times.append(now)
+                    sample.choices_seen.add(choice.get("index", 0))
+                    text.append(words)
+    sample.t_end = time.perf_counter()
+    sample.text = "".join(text)

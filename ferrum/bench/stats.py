@@ -28,6 +28,13 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return data[lo] + (data[hi] - data[lo]) * (rank - lo)
 
 
+def p99_rank(values: Iterable[float]) -> float | None:
+    """The studies' p99: the sorted values' element at index int(0.99 n), the maximum below
+    100 values (no interpolation, unlike `percentile`); None for no values."""
+    data = sorted(values)
+    return data[min(len(data) - 1, int(0.99 * len(data)))] if data else None
+
+
 @dataclass(frozen=True)
 class Spread:
     """Median and [min, max] of one metric over the kept rounds of one arm."""

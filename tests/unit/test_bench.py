@@ -14,11 +14,18 @@ from ferrum.bench.settings import FULL, QUICK, estimate_seconds
 from ferrum.bench.stats import (
     Answer,
     Spread,
+    p99_rank,
     paired_ratio,
     percentile,
     rate_while_all_busy,
     verdict,
 )
+
+
+def test_the_studies_p99_is_a_rank_not_an_interpolation():
+    assert p99_rank([]) is None and p99_rank([2.0]) == 2.0
+    assert p99_rank(float(i) for i in range(200)) == 198.0  # index int(0.99 * 200)
+    assert p99_rank([5.0, 1.0, 3.0]) == 5.0  # below 100 values: the maximum
 
 
 def test_percentile_interpolates_between_ranks():

@@ -1,5 +1,6 @@
-"""The pure parts of the stalls, soak, embeddings, structured and models studies: request
-bodies, workloads and the metrics computed from samples (no server is started here)."""
+"""The pure parts of the stalls, soak, embeddings and models studies: request bodies, workloads
+and the metrics computed from samples (no server is started here; structured has its own file,
+test_bench_structured.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from ferrum.bench.client import Sample
-from ferrum.bench.studies import StudyRun, embeddings, load, models, soak, stalls, structured
+from ferrum.bench.studies import StudyRun, embeddings, load, models, soak, stalls
 
 
 def _run(tmp_path, **options: str) -> StudyRun:
@@ -136,26 +137,6 @@ def test_embedding_p99_needs_gaps():
         embeddings.p99([])
 
 
-# -- structured -----------------------------------------------------------------------------
-
-
-def test_structured_kinds_differ_only_in_what_they_ask_for():
-    free, schema, logprobs = (structured.body(k, 64, 7, False) for k in structured.KINDS)
-    assert free["ignore_eos"] and logprobs["ignore_eos"] and "ignore_eos" not in schema
-    assert schema["response_format"]["json_schema"]["schema"] == structured.SCHEMA
-    assert (logprobs["logprobs"], logprobs["top_logprobs"]) == (True, 5)
-    assert free["messages"] == schema["messages"] == logprobs["messages"]
-    assert "logprobs" not in free and "response_format" not in free
-    with pytest.raises(ValueError, match="free, schema, logprobs"):
-        structured.body("grammar", 64, 7, False)
-
-
-def test_structured_ms_per_token_leaves_the_first_gap_out():
-    # First chunk after prefill at 1.0 s, then one each 20 ms.
-    assert structured.ms_per_token([0.0, 1.0, 1.02, 1.04, 1.06]) == pytest.approx(20.0)
-    assert structured.ms_per_token([0.0]) == 0.0
-
-
 # -- models ---------------------------------------------------------------------------------
 
 
@@ -184,6 +165,6 @@ def test_models_refuses_an_unknown_arm_before_starting_anything(tmp_path):
 def test_the_migrated_studies_load_with_their_arms():
     assert load("stalls").arms == ()  # code trees, given with --tree
     assert load("embeddings").arms == ("ferrum", "ferrum turns-off", "llama-server")
-    assert load("structured").arms == ("free", "schema", "logprobs")
+    assert load("structured").arms == ("ferrum", "llama-server-default")
     assert load("models").arms == ("both", "switch", "gemma", "smollm2")
     assert load("soak").main is not None and load("structured").main is not None

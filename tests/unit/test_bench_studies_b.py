@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ferrum.bench.client import Sample
 from ferrum.bench.studies import StudyRun, cluster, kernels, load, router, speculation, tiers
 from ferrum.bench.studies import speculation_agreement as agreement
 from ferrum.bench.studies import speculation_gate as gate
@@ -89,10 +90,11 @@ def test_cluster_arms_are_routers_or_one_server(tmp_path):
     with pytest.raises(ValueError, match="choose single or a router"):
         cluster.command("random", 9000, tmp_path)
     tally = cluster.Tally()
-    tally.add({"prompt_tokens": 10, "completion_tokens": 3,
-               "prompt_tokens_details": {"cached_tokens": 4}})  # fmt: skip
-    tally.add({"prompt_tokens": 10, "completion_tokens": 3})
+    tally.add(Sample("p", 3, prompt_tokens=10, completion_tokens=3, cached_tokens=4))
+    tally.add(Sample("p", 3, prompt_tokens=10, completion_tokens=3))
     assert (tally.prompt, tally.cached, tally.answer) == (20, 4, 6)
+    with pytest.raises(RuntimeError, match="without usage"):
+        tally.add(Sample("p", 3))
 
 
 def test_kernels_arms_are_interpreters_named_with_set(tmp_path):

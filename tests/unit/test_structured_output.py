@@ -1,7 +1,8 @@
 """Structured output with llguidance (issue #41), as clients send it: generated schemas of every
-common shape each compile (unknown keywords and annotations ignored) or are refused naming the
-keyword; what the fake model writes under them validates; regex, choice and grammars from
-vLLM's and llama-server's fields; bad input is a 400 in the dialect's shape.
+common shape (ferrum/bench/schema_corpus.py, the corpus the structured study sends too) each
+compile (unknown keywords and annotations ignored) or are refused naming the keyword; what the
+fake model writes under them validates; regex, choice and grammars from vLLM's and
+llama-server's fields; bad input is a 400 in the dialect's shape.
 
 The fake runner enforces grammars with a real llguidance matcher over its byte tokens, and its
 "model" always proposes end-of-generation: every other token is the matcher's refusal resolved
@@ -10,7 +11,6 @@ The fake runner enforces grammars with a real llguidance matcher over its byte t
 from __future__ import annotations
 
 import json
-import random
 import re
 from typing import Any
 
@@ -18,65 +18,12 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
+from ferrum.bench.schema_corpus import generate
 from tests.factories import EOS, FakeRunner, fake_app
 
 HI = [{"role": "user", "content": "hi"}]
 # Keywords llguidance cannot enforce: a schema with one is refused, naming it.
 UNENFORCEABLE = ("uniqueItems", "not", "contains", "if", "dependentSchemas")
-
-LEAVES: list[dict[str, Any]] = [
-    {"type": "string"},
-    {"type": "string", "minLength": 2, "maxLength": 5},
-    {"type": "string", "pattern": "^[a-z]{2,4}$"},
-    {"type": "string", "format": "date"},
-    {"type": "string", "format": "uuid"},
-    {"type": "string", "format": "int32"},  # unknown to llguidance: an annotation
-    {"type": "integer", "minimum": -5, "maximum": 50},
-    {"type": "number", "exclusiveMinimum": 0},
-    {"type": "boolean"},
-    {"type": "null"},
-    {"enum": ["red", "green", 3]},
-    {"const": "fixed"},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
-    {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-    {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}},
-    {"type": "object", "additionalProperties": {"type": "boolean"}},
-    {"anyOf": [{"type": "string"}, {"type": "integer"}]},
-    {"oneOf": [{"type": "string"}, {"type": "null"}]},
-    {"allOf": [{"type": "integer"}, {"minimum": 2}]},
-    {"not": {"type": "null"}},
-    {"$ref": "#/$defs/point"},
-]
-ANNOTATIONS: list[dict[str, Any]] = [
-    {},
-    {"title": "A field"},
-    {"description": "what it holds"},
-    {"$comment": "for the maintainers"},
-    {"example": 1},
-    {"examples": ["x"]},
-    {"_comment": "a private note"},
-    {"javaType": "com.example.Foo", "self": {"href": "x"}},
-    {"id": "draft-04-style", "name": "field"},
-]
-POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-
-
-def _schemas(count: int, seed: int = 41) -> list[dict[str, Any]]:
-    rnd = random.Random(seed)
-    out = []
-    for _ in range(count):
-        props = {}
-        for i in range(rnd.randint(1, 3)):
-            leaf = rnd.choice(LEAVES) | rnd.choice(ANNOTATIONS)
-            props[f"p{i}"] = leaf
-        schema: dict[str, Any] = {"type": "object", "properties": props}
-        schema |= rnd.choice(ANNOTATIONS)
-        schema["required"] = [p for p in props if rnd.random() < 0.7]
-        if rnd.random() < 0.5:
-            schema["additionalProperties"] = False
-        schema["$defs"] = {"point": POINT}
-        out.append(schema)
-    return out
 
 
 def _keywords(node: Any) -> set[str]:
@@ -95,7 +42,7 @@ def _chat(client: TestClient, **extra: Any) -> Any:
 def test_a_corpus_of_schemas_compiles_or_names_its_keyword_and_outputs_validate():
     accepted = refused = 0
     with TestClient(fake_app(FakeRunner(next_token=lambda h: EOS))) as client:
-        for schema in _schemas(150):
+        for schema in generate(150):
             fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
             r = _chat(client, response_format=fmt)
             unenforceable = _keywords(schema) & set(UNENFORCEABLE)

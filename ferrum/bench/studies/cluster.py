@@ -30,7 +30,6 @@ a machine of its own.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from statistics import median
 
 import httpx
 
+from ferrum.bench.client import Sample, stream_body
 from ferrum.bench.process import ServerProcess, ferrum_command, free_port
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
@@ -105,30 +105,21 @@ class Tally:
     def __init__(self) -> None:
         self.prompt = self.cached = self.answer = 0
 
-    def add(self, usage: dict) -> None:
-        self.prompt += usage["prompt_tokens"]
-        self.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        self.answer += usage["completion_tokens"]
+    def add(self, sample: Sample) -> None:
+        if sample.prompt_tokens is None or sample.completion_tokens is None:
+            raise RuntimeError("a reply without usage")
+        self.prompt += sample.prompt_tokens
+        self.cached += sample.cached_tokens or 0
+        self.answer += sample.completion_tokens
 
 
 async def _ask(http: httpx.AsyncClient, messages: list[dict], tally: Tally) -> tuple[float, str]:
     body = {"model": DEFAULT_CHAT_MODEL, "messages": messages, "max_tokens": ANSWER_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True,
+            "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    start, first, answer = time.perf_counter(), 0.0, []
-    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if event.get("usage"):
-                tally.add(event["usage"])
-            for choice in event.get("choices") or ():
-                if choice["delta"].get("content"):
-                    first = first or time.perf_counter() - start
-                    answer.append(choice["delta"]["content"])
-    return first, "".join(answer)
+    sample = await stream_body(http, "/v1/chat/completions", body)
+    tally.add(sample)
+    return sample.ttft_s or 0.0, sample.text
 
 
 async def _traffic(url: str, turns: int) -> dict[str, float]:

@@ -31,6 +31,7 @@ from ferrum.bench.client import Dialect, Sample, stream_completion
 from ferrum.bench.minilm import write_minilm_gguf
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
+from ferrum.bench.stats import p99_rank
 from ferrum.bench.studies import Study, StudyRun
 
 SENTENCES, CLIENTS, STREAMS, STREAM_TOKENS = 1000, 8, 4, 200
@@ -47,10 +48,10 @@ def sentences(seed: int, n: int) -> list[str]:
 
 
 def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    if not ordered:
+    value = p99_rank(values)
+    if value is None:
         raise RuntimeError("no inter-token gaps: the streams sent at most one token each")
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return value
 
 
 async def _flood(url: str, texts: list[str]) -> float:

@@ -27,6 +27,7 @@ import httpx
 
 from ferrum.bench.client import Dialect, Sample, stream_completion
 from ferrum.bench.rounds import Metric
+from ferrum.bench.stats import p99_rank
 from ferrum.bench.studies import Study, StudyRun
 
 BIG, SMALL = "gemma3-270m", "smollm2-135m-instruct"
@@ -40,9 +41,8 @@ ARMS = {"both": (BIG, SMALL), "switch": (BIG, SMALL), "gemma": (BIG,), "smollm2"
 def per_model(samples: list[Sample], start: float, end: float) -> dict[str, float]:
     """Tokens that arrived inside [start, end] per second, and the p99 gap among them."""
     times = sorted(t for s in samples for t in s.chunk_times if start <= t <= end)
-    gaps = sorted(g for s in samples for g in s.gaps)
-    p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan")
-    return {"tok_s": len(times) / (end - start), "p99_gap_s": p99}
+    p99 = p99_rank(g for s in samples for g in s.gaps)
+    return {"tok_s": len(times) / (end - start), "p99_gap_s": float("nan") if p99 is None else p99}
 
 
 def load_seconds(metrics_text: str) -> dict[str, float]:

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from ferrum.bench.rounds import Metric
+from ferrum.bench.stats import p99_rank
 from ferrum.bench.studies import Study, StudyRun
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
@@ -81,8 +82,7 @@ def p99_gap_ms(streams: list[list[float]], start: float, end: float) -> float:
     if len(gaps) < 5:
         raise RuntimeError(f"only {len(gaps)} gaps in a {end - start:.2f} s window: streams "
                            "ended too early or decode too slowly")  # fmt: skip
-    gaps.sort()
-    return 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    return 1000 * (p99_rank(gaps) or 0.0)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, stamps: list[float], tag: int) -> None:

@@ -26,7 +26,6 @@ tokens), greedy, one client:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shutil
 import time
@@ -35,6 +34,7 @@ from statistics import median
 
 import httpx
 
+from ferrum.bench.client import http_client, stream_body
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
@@ -78,32 +78,13 @@ def _server(run: StudyRun, arm: str, cache_dir: Path) -> ServerProcess:
     return run.llama_server(arm, model, "-np", PARALLEL, "-c", CTX)
 
 
-def _client(url: str) -> httpx.AsyncClient:
-    """A connection per request: llama-server's HTTP library closes a kept-alive connection
-    after a few requests, which a client sending the next one at once sees as a disconnect."""
-    limits = httpx.Limits(max_keepalive_connections=0)
-    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
-
-
 async def _ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, str, int]:
     """(TTFT, text, cached prompt tokens where the server says) of one streamed request."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "repetition_penalty": 1.0, "repeat_penalty": 1.0, "stream": True,
+            "repetition_penalty": 1.0, "repeat_penalty": 1.0,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    start, first, text, cached = time.perf_counter(), 0.0, [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            usage = event.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
-            for choice in event.get("choices") or ():
-                if choice.get("text"):
-                    first = first or time.perf_counter() - start
-                    text.append(choice["text"])
-    return first, "".join(text), cached
+    sample = await stream_body(http, "/v1/completions", body)
+    return sample.ttft_s or 0.0, sample.text, sample.cached_tokens or 0
 
 
 async def _multiturn(url: str, turns: int) -> dict[str, float]:
@@ -115,7 +96,7 @@ async def _multiturn(url: str, turns: int) -> dict[str, float]:
     first_turn: list[float] = []
     later: list[float] = []
     cached = 0
-    async with _client(url) as http:
+    async with http_client(url) as http:
         for t in range(turns):
             for c in range(CONVERSATIONS):
                 prompt = turn(histories[c], f"Question {t}: what about the {WORDS[t]}?")
@@ -129,7 +110,7 @@ async def _multiturn(url: str, turns: int) -> dict[str, float]:
 
 
 async def _unique(url: str, seed: int, count: int) -> float:
-    async with _client(url) as http:
+    async with http_client(url) as http:
         start = time.perf_counter()
         for i in range(count):
             doc = document(10_000 + seed * count + i, 550)
@@ -138,7 +119,7 @@ async def _unique(url: str, seed: int, count: int) -> float:
 
 
 async def _one(url: str, prompt: str) -> float:
-    async with _client(url) as http:
+    async with http_client(url) as http:
         return (await _ask(http, prompt, 8))[0]
 
 
