@@ -138,6 +138,18 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self._check_image_ids()
+
+    def _check_image_ids(self) -> None:
+        """Image positions hold image ids (< 0) and no other position does: a token there
+        would let a text prompt match an image's KV, an id elsewhere would reach llama_decode."""
+        prompt, inside = self.prompt_token_ids, 0
+        for span in self.images:  # never overlapping
+            if span.end > len(prompt) or max(prompt[span.start : span.end], default=-1) >= 0:
+                raise ValueError("an image's positions must hold its ids (< 0)")
+            inside += span.end - span.start
+        if prompt and min(prompt) < 0 and sum(t < 0 for t in prompt) != inside:
+            raise ValueError("a prompt holds ids < 0 outside its images")
 
     @property
     def cache_scope(self) -> str:
