@@ -43,7 +43,10 @@ class EncodedImages:
         self.bytes = 0
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
+    @property
+    def kept(self) -> int:
+        """How many images' encodings are kept (no `__len__`: an empty cache is no less an
+        encoder, and `if model.images` must stay true)."""
         return len(self._kept)
 
     def encode(self, image: RgbImage) -> list[list[int] | Any]:
