@@ -24,7 +24,7 @@ import random
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
@@ -115,6 +115,22 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
     return history[len(prompt) :]
 
 
+def image_spans(
+    prompt: list[int], rows: Callable[[list[int]], np.ndarray]
+) -> tuple[ImageSpan, ...]:
+    """The prompt's images: each run of image ids (a branch may have cut one short, or put
+    two side by side), with `rows` of its ids."""
+    out, i = [], 0
+    while i < len(prompt):
+        j = i
+        while j < len(prompt) and prompt[j] < 0:
+            j += 1
+        if j > i:
+            out.append(ImageSpan(i, rows(prompt[i:j])))
+        i = j + 1
+    return tuple(out)
+
+
 def machine_settings(max_examples: int) -> settings:
     """Random runs of 50 steps each; slow examples are fine (the pump does real work)."""
     return settings(
@@ -196,17 +212,7 @@ class EngineMachine(RuleBasedStateMachine):
         return [t for s in drawn for t in (self.images[-1 - s] if s < 0 else [s])]
 
     def spans(self, prompt: list[int]) -> tuple[ImageSpan, ...]:
-        """The prompt's images: each run of image ids (a branch may have cut one short, or
-        put two side by side), with its rows (`image_rows`)."""
-        out, i = [], 0
-        while i < len(prompt):
-            j = i
-            while j < len(prompt) and prompt[j] < 0:
-                j += 1
-            if j > i:
-                out.append(ImageSpan(i, self.image_rows(prompt[i:j])))
-            i = j + 1
-        return tuple(out)
+        return image_spans(prompt, self.image_rows)
 
     def image_rows(self, ids: list[int]) -> np.ndarray:
         """The rows decoded at these image ids' positions (the fake model reads the ids)."""
