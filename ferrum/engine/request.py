@@ -162,9 +162,9 @@ class Request:
         return self.params.adapters
 
     def reuse_floor(self, length: int) -> int:
-        """The most of `length` reused positions it may take: never part of an image (back to
-        the image's start), whose rows are decoded together (non-causal projectors attend
-        both ways over them):
+        """The most of `length` reused positions it may take: an image is reused whole or not
+        at all (back to the image's start; under a non-causal projector an image's first
+        rows' KV depends on its last ones):
 
             prompt:   t t [■ ■ ■ ■ ■ ■] t t
             match:    |<-------->|            ends inside the image

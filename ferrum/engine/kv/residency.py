@@ -27,7 +27,7 @@ which only finds owners of the request's own cache scope: requests of different 
 share a block, which `check_integrity` proves on the ledger. Images take part like text: an
 image's positions hold ids drawn from its pixels (`request.image_token_ids`), so only the same
 image matches, and a reuse that would end inside an image stops at its start
-(`Request.reuse_floor`): the image's rows are decoded together.
+(`Request.reuse_floor`): an image's KV is reused whole or not at all.
 
 A donor that is still prefilling the shared prefix makes the newcomer wait (`plan` returns
 None) instead of computing the prefix twice. Reuse always leaves at least the last prompt
