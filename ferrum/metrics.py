@@ -29,6 +29,7 @@ from ferrum.adapter_metrics import AdapterSeries
 from ferrum.engine.kv.tiers import TierStats
 from ferrum.engine.outputs import EngineObserver, StepStats
 from ferrum.engine.turns import Party
+from ferrum.image_metrics import ImageMetrics
 from ferrum.structured_metrics import StructuredMetrics
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -110,6 +111,7 @@ class Metrics(EngineObserver):
         self._add_prefix_metrics(self.registry)
         self._add_embedding_metrics(self.registry)
         self.structured = StructuredMetrics(self.registry)
+        self.images = ImageMetrics(self.registry)
         self._turns = _TurnTotals()
         self.registry.register(self._turns)
         self.adapters = AdapterSeries(self.registry)  # by LoRA adapter
@@ -321,6 +323,7 @@ class Metrics(EngineObserver):
         for t in stats.inter_token_latencies:
             self.itl.observe(t)
         self.structured.count_masks(stats.mask_seconds)
+        self.images.count(stats)
         for f in stats.finished:
             self.requests.labels(finish_reason=f.finish_reason.value).inc()
             self.latency.observe(f.latency_s)

@@ -16,6 +16,7 @@ from ferrum.api.app import ServerState, create_app
 from ferrum.api.auth import Keys
 from ferrum.api.loaded import EmbeddingModel, Loaded, ServedModel
 from ferrum.api.prompting.chat_template import ChatFormatter, resolve_template
+from ferrum.api.prompting.encoded_images import EncodedImages
 from ferrum.api.prompting.preparation import Preparer
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.engine.async_engine import AsyncEngine
@@ -174,7 +175,7 @@ class _Loader:
             close_runner=runner.close,
             preparer=self.preparer,
             adapters=adapters,
-            images=runner.images,
+            images=None if runner.images is None else EncodedImages(runner.images, metrics.images),
         )
         if cfg.pooling:  # a second context on the same (memory-mapped) weights
             try:

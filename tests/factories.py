@@ -235,6 +235,7 @@ class FakeRunner:
                 self.fail_seqs.discard(item.seq_id)
                 result.failed[idx] = "injected fault"
                 continue
+            _tokens_or_rows(item)
             cells = self.kv.setdefault(item.seq_id, [])
             if item.start_pos != len(cells):
                 raise AssertionError(
@@ -296,6 +297,17 @@ class FakeRunner:
         if len(cells) < length:
             raise AssertionError(f"trim of seq {seq_id} to {length}: only {len(cells)} held")
         del cells[length:]
+
+
+def _tokens_or_rows(item: BatchItem) -> None:
+    """As llama_decode: every position is a vocabulary token (≥ 0) or an image row; an
+    image's ids (< 0, `image_token_ids`) stand only where its rows are decoded. The fake
+    model then reads the ids as the image (they are drawn from its pixels)."""
+    rows = {i for offset, r in item.embeds for i in range(offset, offset + len(r))}
+    for i, token in enumerate(item.tokens):
+        if (token < 0) != (i in rows):
+            raise AssertionError(f"seq {item.seq_id}: position {item.start_pos + i} holds "
+                                 f"{token}, {'an' if i in rows else 'no'} image row")  # fmt: skip
 
 
 def fake_engine(

@@ -6,6 +6,8 @@ the OpenAI body the replica will serve (by the path's dialect, `ferrum.api.diale
 its prompt tokens are computed as a replica computes them (`serving.chat_prompt`, the
 model's template, its vocabulary loaded alone): their chained block hashes are the key the
 prefix router matches against what replicas hold.
+A prompt with images is keyed up to its first image (the ingress has no projector to tell
+how many positions an image takes; their ids come from its pixels, `request.image_token_ids`).
 The chain starts from the request's cache scope (`ferrum.api.auth.cache_scope`, from the
 caller the gate found, the body's `cache_salt` and `--share-prefix-cache`) and its LoRA
 adapter set (`Request.cache_scope`: the `--lora` and preset adapters, as the replica picks
@@ -31,6 +33,7 @@ from ferrum.api.dialects import translation
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.prompting.builtin_templates import resolve_template
 from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.images import image_parts, tokenize_with_marks
 from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.api.serving import chat_prompt, pick_adapters
 from ferrum.cluster.policy import RouteKey
@@ -80,7 +83,14 @@ class PromptKeys:
                 self.file.vocab.tokenize(prompt, True, True) if isinstance(prompt, str) else prompt
             )
         tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
-        return chat_prompt(self.formatter, self.file.vocab, self.system, body, tools)
+        if not image_parts(body.messages):
+            return chat_prompt(self.formatter, self.file.vocab, self.system, body, tools)
+        # An image's positions are known only once the projector has encoded it (how many)
+        # from its pixels (their ids): the key stops before the first image, where the
+        # replica's tokens are still these, so it never claims one image's KV for another.
+        marked = tokenize_with_marks(self.file.vocab.tokenize)
+        tokens = chat_prompt(self.formatter, self.file.vocab, self.system, body, tools, marked)
+        return tokens[: next((i for i, t in enumerate(tokens) if t < 0), len(tokens))]
 
 
 def prompt_text(body: Body) -> str:

@@ -14,6 +14,8 @@ sampler picks the token at its last position.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -131,6 +133,13 @@ class RgbImage:
     width: int
     height: int
     pixels: bytes
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """The image's identity: a hash of its size and pixels (what libmtmd's
+        `mtmd_bitmap_set_id` names a bitmap by), whatever file or format it came in."""
+        head = f"{self.width}x{self.height}:".encode()
+        return hashlib.sha256(head + self.pixels).digest()
 
 
 class ImageEncoder(Protocol):

@@ -320,6 +320,7 @@ class LLMEngine:
                 ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
                 cached_tokens=req.num_cached_tokens,
                 adapters=tuple(i for i, _ in req.adapters),
+                cached_image_tokens=req.cached_image_tokens,
             )
         )
 

@@ -49,6 +49,7 @@ class FinishedRequest:
     ttft_s: float | None
     cached_tokens: int = 0
     adapters: tuple[int, ...] = ()  # the ids of the LoRA adapters it decoded with
+    cached_image_tokens: int = 0  # of cached_tokens, those at image positions
 
 
 @dataclass(slots=True)

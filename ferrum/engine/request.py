@@ -13,6 +13,7 @@ prefilling, one with exactly one (the last sampled token) is decoding.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +30,26 @@ def adapter_scope(adapters: AdapterSet) -> str:
     return "" if not adapters else "|lora:" + ",".join(f"{i}*{s!r}" for i, s in adapters)
 
 
+def image_token_ids(digest: bytes, n: int) -> list[int]:
+    """The ids an image's `n` positions hold in a prompt: drawn from the image's `digest`
+    (`RgbImage.digest`, its pixels), so the prefix index's block hashes and its token-by-token
+    check tell one image from another, and the same image anywhere matches itself. Negative,
+    so no vocabulary's token is ever one (they are never decoded as tokens: the image's rows
+    are), and within int32 (the disk tier stores tokens so): one in [-2**31, -1] each, 31
+    bits of the digest's stream per position, so two images match only where all of them do.
+    """
+    stream = hashlib.shake_256(digest).digest(4 * n)
+    return [-1 - (int.from_bytes(stream[4 * i : 4 * i + 4], "little") & 0x7FFF_FFFF)
+            for i in range(n)]  # fmt: skip
+
+
 @dataclass(frozen=True, eq=False)
 class ImageSpan:
     """An image in a prompt: its projector's embeddings (float32 rows of the model's width,
     one per position) stand at prompt positions [start, start + len(embeds)); the prompt
-    holds placeholder tokens there, which are never decoded as tokens.
+    holds the image's ids there (`image_token_ids`), which are never decoded as tokens.
 
-        prompt:  t0 t1 t2 [ ■  ■  ■  ■ ] t7 t8      ■ = image position
+        prompt:  t0 t1 t2 [ ■  ■  ■  ■ ] t7 t8      ■ = image position, id < 0
                            start ─────▶ start + len(embeds)
     """
 
@@ -124,6 +138,18 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self._check_image_ids()
+
+    def _check_image_ids(self) -> None:
+        """Image positions hold image ids (< 0) and no other position does: a token there
+        would let a text prompt match an image's KV, an id elsewhere would reach llama_decode."""
+        prompt, inside = self.prompt_token_ids, 0
+        for span in self.images:  # never overlapping
+            if span.end > len(prompt) or max(prompt[span.start : span.end], default=-1) >= 0:
+                raise ValueError("an image's positions must hold its ids (< 0)")
+            inside += span.end - span.start
+        if prompt and min(prompt) < 0 and sum(t < 0 for t in prompt) != inside:
+            raise ValueError("a prompt holds ids < 0 outside its images")
 
     @property
     def cache_scope(self) -> str:
@@ -135,11 +161,25 @@ class Request:
     def adapters(self) -> AdapterSet:
         return self.params.adapters
 
+    def reuse_floor(self, length: int) -> int:
+        """The most of `length` reused positions it may take: an image is reused whole or not
+        at all (back to the image's start; under a non-causal projector an image's first
+        rows' KV depends on its last ones):
+
+            prompt:   t t [■ ■ ■ ■ ■ ■] t t
+            match:    |<-------->|            ends inside the image
+            reused:   |<->|                   the image is computed whole
+        """
+        for span in self.images:
+            if span.start < length < span.end:
+                return span.start
+        return length
+
     @property
-    def shares_kv(self) -> bool:
-        """Whether its KV may be reused by others and it may reuse theirs. A prompt with
-        images may not (yet): its placeholder tokens do not say which image stands there."""
-        return not self.images
+    def cached_image_tokens(self) -> int:
+        """Image positions among its reused ones (`num_cached_tokens`)."""
+        n = self.num_cached_tokens
+        return sum(max(0, min(n, span.end) - span.start) for span in self.images)
 
     def embeds_in(self, start: int, length: int) -> tuple[tuple[int, Any], ...]:
         """The image rows at positions [start, start + length): (offset from start, rows)."""

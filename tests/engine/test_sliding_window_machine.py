@@ -13,7 +13,7 @@ oracle continues from the side the engine took.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
@@ -21,6 +21,7 @@ from hypothesis.stateful import invariant
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.llama.runner import LlamaRunner
+from ferrum.engine.request import ImageSpan
 from ferrum.engine.speculation.speculator import SpecConfig
 from tests.factories import run_to_completion, sampling
 from tests.profiles import examples
@@ -28,6 +29,7 @@ from tests.tiny_models import BOS_ID
 from tests.unit.test_engine_state_machine import EngineMachine
 
 CTX, PARALLEL, BATCH, BLOCK = 128, 3, 24, 8
+Spans = Callable[[list[int]], tuple[ImageSpan, ...]]
 
 
 # Two tokens whose log-probabilities lie closer than this are a tie that float noise may
@@ -40,11 +42,13 @@ class _Oracle:
     """Greedy tokens of a prompt decoded alone, on a runner without prefix reuse (cached),
     with the top log-probabilities at each step."""
 
-    def __init__(self, path: str, **kv: str):
+    def __init__(self, path: str, mmproj: str = "", spans: Spans = lambda prompt: (), **kv: str):
         cfg = EngineConfig(
             ctx_size=CTX, parallel=1, batch_size=BATCH, threads=2, no_prefix_cache=True, **kv
         )
-        self.engine = LLMEngine(LlamaRunner(cfg, path), block_size=BLOCK, prefix_cache=False)
+        runner = LlamaRunner(cfg, path, mmproj=mmproj)
+        self.engine = LLMEngine(runner, block_size=BLOCK, prefix_cache=False)
+        self.spans = spans  # a prompt's images (a vision model's machine)
         self.known: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}
 
     def run(self, prompt: list[int], n: int) -> tuple[list[int], list[dict[int, float]]]:
@@ -52,7 +56,7 @@ class _Oracle:
         have = self.known.get(tuple(prompt), ([], []))
         if len(have[0]) < n:
             params = sampling(max_tokens=n, ignore_eos=True, logprobs=4)
-            self.engine.add_request("oracle", prompt, params)
+            self.engine.add_request("oracle", prompt, params, images=self.spans(prompt))
             out = run_to_completion(self.engine)["oracle"]
             tops = [dict(entry.top) for entry in out["logprobs"]]
             have = self.known[tuple(prompt)] = (out["tokens"], tops)

@@ -102,3 +102,30 @@ def test_mmproj_flags_name_a_served_model_and_a_file(mmproj):
     with pytest.raises(ValueError, match="file not found"):
         attach(specs[:1], ["/nope/mmproj.gguf"])
     assert attach(specs[:1], [mmproj])[0].mmproj == mmproj
+
+
+def _metric(client, name: str, model: str = "eye") -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("model") == model:
+                return float(sample.value)
+    return 0.0
+
+
+def test_the_same_image_again_reuses_its_encoding_and_its_kv_and_metrics_say_so(client):
+    names = ("ferrum_images_encoded_total", "ferrum_image_encode_seconds_count",
+             "ferrum_image_encodings_reused_total", "ferrum_image_tokens_reused_total")  # fmt: skip
+    before = {name: _metric(client, name) for name in names}
+    image = _png(7)  # sent by no other test
+    first, again = _chat(client, image), _chat(client, image, max_tokens=3)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    moved = {name: _metric(client, name) - before[name] for name in names}
+    assert moved["ferrum_images_encoded_total"] == 1 == moved["ferrum_image_encode_seconds_count"]
+    assert moved["ferrum_image_encodings_reused_total"] == 1
+    usage = again.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == usage["prompt_tokens"] - 1  # all but the last token, image and all
+    assert moved["ferrum_image_tokens_reused_total"] == N_IMAGE_TOKENS
+    assert _metric(client, "ferrum_images_encoded_total", model="text") == 0

@@ -1,8 +1,8 @@
 """Images through the engine on the tiny llama with the tiny projector (`tests/tiny_vision.py`).
 
 Oracles: ferrum's greedy tokens equal those of llama.cpp's own `mtmd_helper_eval_chunks` on a
-fresh context; the same image twice gives the same output (and never reuses KV); batched
-with text requests equals alone; another image (or one pixel) changes what the model sees.
+fresh context; batched with text requests equals alone; another image (or one pixel) changes
+what the model sees. Reuse of an image's KV: `test_vision_reuse.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import llama_cpp as ll
 import numpy as np
 from llama_cpp import mtmd_cpp as mt
 
+from ferrum.api.prompting.images import splice
 from ferrum.engine.contracts import RgbImage
 from ferrum.engine.request import ImageSpan
 from tests.factories import llama_engine, run_to_completion, sampling
@@ -27,16 +28,13 @@ def _image(seed: int, size: int = 32) -> RgbImage:
     return RgbImage(size, size, pixels.tobytes())
 
 
-def _prompt(engine, image: RgbImage) -> tuple[list[int], tuple[ImageSpan, ...]]:
-    vocab, tokens, spans = engine.runner.vocab, [], []
-    tokens = vocab.tokenize(BEFORE, True, False)
-    for piece in engine.runner.images.encode(image):
-        if isinstance(piece, list):
-            tokens += piece
-        else:
-            spans.append(ImageSpan(len(tokens), piece))
-            tokens += [0] * len(piece)
-    return tokens + vocab.tokenize(AFTER, False, False), tuple(spans)
+def _prompt(
+    engine, image: RgbImage, after: str = AFTER, encoder=None
+) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """BEFORE, the image, `after`: spliced as the API splices a chat's image (its ids)."""
+    vocab = engine.runner.vocab
+    marked = vocab.tokenize(BEFORE, True, False) + [-1] + vocab.tokenize(after, False, False)
+    return splice(marked, [image], engine.runner.images if encoder is None else encoder)
 
 
 def _run(engine, requests: dict[str, RgbImage | None]) -> dict[str, list[int]]:
@@ -109,23 +107,10 @@ def test_the_image_is_seen_not_its_placeholders(tiny_llama, mmproj):
         )
         seen = _run(engine, {"a": _image(1)})["a"]
         params = sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        engine.add_request("blind", prompt, params)  # the placeholders decoded as tokens
+        blind = [max(t, 0) for t in prompt]  # token 0 at the image's positions
+        engine.add_request("blind", blind, params)
         blind = run_to_completion(engine)["blind"]["tokens"]
     assert seen != blind
-
-
-def test_same_image_twice_same_output_and_no_kv_reuse(tiny_llama, mmproj):
-    """Placeholders do not say which image stands there: an image request neither parks its
-    KV for others nor reuses any, so another image after it is not served the first's KV."""
-    with llama_engine(tiny_llama, mmproj=mmproj) as engine:
-        first = _run(engine, {"a": _image(1)})
-        assert len(engine.kv_manager.index) == 0 and not list(engine.kv_manager.parked)
-        other = _run(engine, {"c": _image(2)})
-        again = _run(engine, {"b": _image(1)})
-    with llama_engine(tiny_llama, mmproj=mmproj, prefix_cache=False) as fresh:
-        other_fresh = _run(fresh, {"c": _image(2)})
-    assert first["a"] == again["b"]
-    assert other["c"] == other_fresh["c"] != first["a"]
 
 
 def test_batched_with_text_and_images_equals_alone(tiny_llama, mmproj):

@@ -24,11 +24,12 @@ import random
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -39,7 +40,7 @@ from ferrum.engine.contracts import BatchItem, StepResult
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.outputs import RequestOutput
-from ferrum.engine.request import AdapterSet, adapter_scope
+from ferrum.engine.request import AdapterSet, ImageSpan, adapter_scope, image_token_ids
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import TooManyRequests
 from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
@@ -114,6 +115,22 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
     return history[len(prompt) :]
 
 
+def image_spans(
+    prompt: list[int], rows: Callable[[list[int]], np.ndarray]
+) -> tuple[ImageSpan, ...]:
+    """The prompt's images: each run of image ids (a branch may have cut one short, or put
+    two side by side), with `rows` of its ids."""
+    out, i = [], 0
+    while i < len(prompt):
+        j = i
+        while j < len(prompt) and prompt[j] < 0:
+            j += 1
+        if j > i:
+            out.append(ImageSpan(i, rows(prompt[i:j])))
+        i = j + 1
+    return tuple(out)
+
+
 def machine_settings(max_examples: int) -> settings:
     """Random runs of 50 steps each; slow examples are fine (the pump does real work)."""
     return settings(
@@ -129,6 +146,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     bos = BOS
     adapter_sets: tuple[AdapterSet, ...] = ((),)  # the LoRA sets requests draw from
+    images: tuple[list[int], ...] = ()  # each image's ids (`image_token_ids`) tails may hold
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,7 +186,7 @@ class EngineMachine(RuleBasedStateMachine):
     def _draw_prompt(self, data: st.DataObject) -> tuple[list[int], _Scope | None]:
         """A prompt, and the scope of the earlier one it repeats, extends or branches off
         (None: fresh)."""
-        tail = data.draw(st.lists(st.sampled_from(ALPHABET), max_size=30), label="tail")
+        tail = self._draw_tail(data)
         kind = data.draw(st.sampled_from(KINDS), label="kind")
         like: _Scope | None = None
         if kind == "turn" and self.turns:  # a chat's next turn, often still parked
@@ -186,6 +204,19 @@ class EngineMachine(RuleBasedStateMachine):
                 cut = data.draw(st.integers(1, len(earlier)), label="cut")
                 prompt = earlier[:cut] + tail
         return prompt[: self.engine.max_positions * 3 // 4] or [self.bos], like
+
+    def _draw_tail(self, data: st.DataObject) -> list[int]:
+        """Symbols of the alphabet, and whole images where the machine has some."""
+        symbols = ALPHABET + [-1 - k for k in range(len(self.images))]
+        drawn = data.draw(st.lists(st.sampled_from(symbols), max_size=30), label="tail")
+        return [t for s in drawn for t in (self.images[-1 - s] if s < 0 else [s])]
+
+    def spans(self, prompt: list[int]) -> tuple[ImageSpan, ...]:
+        return image_spans(prompt, self.image_rows)
+
+    def image_rows(self, ids: list[int]) -> np.ndarray:
+        """The rows decoded at these image ids' positions (the fake model reads the ids)."""
+        return np.zeros((len(ids), 1), dtype=np.float32)
 
     def draw_grammar(self, data: st.DataObject) -> str | None:
         """The grammar a submitted request's output must match (none here: free text)."""
@@ -240,7 +271,7 @@ class EngineMachine(RuleBasedStateMachine):
                 max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar,
                 adapters=adapters,
             )  # fmt: skip
-            stream = self.front.submit(rid, prompt, params, True, whole)
+            stream = self.front.submit(rid, prompt, params, True, whole, self.spans(prompt))
             full = scope + adapter_scope(adapters)
             self.clients[rid] = _Client(
                 rid, prompt, max_tokens, stream, whole, full, grammar, adapters
@@ -498,3 +529,38 @@ class LoraEngineMachine(EngineMachine):
 
 LoraEngineMachine.TestCase.settings = machine_settings(150)
 TestLoraEngineStateMachine = pytest.mark.slow(LoraEngineMachine.TestCase)
+
+
+# Image runs of 5, 9 and 12 positions: with blocks of 8 they start, end and straddle blocks.
+_IMAGES = tuple(image_token_ids(bytes([k]), n) for k, n in enumerate((5, 9, 12)))
+
+
+class ImageEngineMachine(TieredEngineMachine):
+    """The same traffic with images in the prompts (their ids, drawn from their pixels, are
+    what the fake model reads), through parking, the RAM and disk tiers and restarts: the
+    output is what the prompt alone gives, so no image is ever served another's KV, and a
+    reuse that a branch cut inside an image stops at the image's start."""
+
+    images = _IMAGES
+
+    @invariant()
+    def no_reuse_ends_inside_an_image(self) -> None:
+        for rid, outs in self.outputs.items():
+            cached = outs[-1].cached_tokens
+            for span in self.spans(self.clients[rid].prompt):
+                assert not span.start < cached < span.end, f"{rid} reused part of an image"
+
+
+ImageEngineMachine.TestCase.settings = machine_settings(100)
+TestImageEngineStateMachine = pytest.mark.slow(ImageEngineMachine.TestCase)
+
+
+class ImageNgramEngineMachine(NgramEngineMachine):
+    """Images under n-gram speculation: a guess copied from a prompt stops before an
+    image's ids (the fake runner refuses an id < 0 where no image row is decoded)."""
+
+    images = _IMAGES
+
+
+ImageNgramEngineMachine.TestCase.settings = machine_settings(60)
+TestImageNgramEngineStateMachine = pytest.mark.slow(ImageNgramEngineMachine.TestCase)

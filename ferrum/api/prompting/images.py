@@ -7,7 +7,8 @@ there (`tokenize_with_marks`), which `splice` replaces with the image's pieces:
 
     content:   "what is " ◆ "?"              ◆ = IMAGE_MARK
     tokens:    t t t  -1  t                   -1 = image 0's sentinel
-    prompt:    t t t [■ ■ ■ ■ ■ ■] t          ■ = placeholder, its row in ImageSpan.embeds
+    prompt:    t t t [■ ■ ■ ■ ■ ■] t          ■ = the image's id there (drawn from its pixels,
+                                                  `image_token_ids`), its row in ImageSpan.embeds
 
 Bounds, checked before any pixel is decoded: a data URI of at most `MAX_IMAGE_URL_BYTES`,
 an image of at most `MAX_IMAGE_PIXELS`, PNG or JPEG only. Remote URLs are not fetched.
@@ -31,7 +32,7 @@ from typing import Any
 from PIL import Image
 
 from ferrum.engine.contracts import ImageEncoder, RgbImage
-from ferrum.engine.request import ImageSpan
+from ferrum.engine.request import ImageSpan, image_token_ids
 from ferrum.errors import InvalidRequest
 
 IMAGE_MARK = "\ue002"  # private use: no tokenizer or template gives it a meaning
@@ -41,9 +42,6 @@ MAX_IMAGES = 16  # per request
 _FORMATS = {"PNG", "JPEG"}
 _DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+);base64,", re.IGNORECASE)
 _MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg"}
-# Placeholder token id at image positions: never decoded, only counted and never matched
-# (a request with images takes no part in the prefix cache, `Request.shares_kv`).
-_PLACEHOLDER = 0
 
 Tokenize = Callable[[str, bool, bool], list[int]]
 
@@ -159,9 +157,9 @@ def splice(
         for piece in encoder.encode(images[-t - 1]):
             if isinstance(piece, list):
                 out += piece
-            else:
+            else:  # its positions named by its pixels, for the prefix cache to tell apart
                 spans.append(ImageSpan(len(out), piece))
-                out += [_PLACEHOLDER] * len(piece)
+                out += image_token_ids(images[-t - 1].digest, len(piece))
     return out, tuple(spans)
 
 

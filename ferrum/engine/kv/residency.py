@@ -24,7 +24,10 @@ holds [max(0, L - n_swa + 1), L) (`KvOps.holds_window`), and checked again on th
 
 Every reuse (copy, takeover, waiting for a donor, restore) starts from the prefix index,
 which only finds owners of the request's own cache scope: requests of different scopes never
-share a block, which `check_integrity` proves on the ledger.
+share a block, which `check_integrity` proves on the ledger. Images take part like text: an
+image's positions hold ids drawn from its pixels (`request.image_token_ids`), so only the same
+image matches, and a reuse that would end inside an image stops at its start
+(`Request.reuse_floor`): an image's KV is reused whole or not at all.
 
 A donor that is still prefilling the shared prefix makes the newcomer wait (`plan` returns
 None) instead of computing the prefix twice. Reuse always leaves at least the last prompt
@@ -114,7 +117,7 @@ class KVManager:
         the next owner (a shorter match) is tried, and only then a fresh prefill. A saved
         state longer than the resident reuse is restored when that is cheaper.
         """
-        if not self.prefix_cache or not req.shares_kv:
+        if not self.prefix_cache:
             return _FRESH
         refused = 0
         saved: Reuse | None = None
@@ -122,7 +125,7 @@ class KVManager:
         # Scoped: owners of another cache scope never come up (prefix.py), for every reuse
         # below (copy, takeover, waiting for a donor, restore).
         for match in self.index.matches(req.all_token_ids, req.cache_scope):
-            length = min(match.length, req.num_tokens - 1)
+            length = req.reuse_floor(min(match.length, req.num_tokens - 1))
             donor = match.owner
             if length <= 0:
                 break
@@ -204,7 +207,7 @@ class KVManager:
             raise
         if reuse.window_refusals:
             self.window_fallbacks += 1
-        if self.prefix_cache and req.shares_kv:
+        if self.prefix_cache:
             self.index.add(req)
         return reused
 
@@ -306,7 +309,7 @@ class KVManager:
             self.ops.trim_sequence(req.seq_id, req.num_computed_tokens)
 
     def on_tokens_appended(self, req: Request) -> None:
-        if self.prefix_cache and req.shares_kv:
+        if self.prefix_cache:
             self.index.extend(req)
 
     def release(self, req: Request, park: bool) -> None:
@@ -317,7 +320,7 @@ class KVManager:
         if seq_id is None:
             return
         resident = req.num_computed_tokens
-        if park and self.prefix_cache and req.shares_kv and resident >= self.blocks.block_size:
+        if park and self.prefix_cache and resident >= self.blocks.block_size:
             self._park(req, seq_id, resident)
         else:
             self.blocks.release(req.page_table)
@@ -428,8 +431,7 @@ class KVManager:
         self.seq_ids.check_integrity(owned + [p.seq_id for p in parked])
         _one_scope_per_block([*running, *parked])
         saved = len(self.saved) if self.saved is not None else 0
-        indexed = sum(r.shares_kv for r in running)  # a request with images is never indexed
-        if self.prefix_cache and len(self.index) != indexed + len(parked) + saved:
+        if self.prefix_cache and len(self.index) != len(running) + len(parked) + saved:
             raise IntegrityError("prefix index out of step with running, parked and saved")
 
 

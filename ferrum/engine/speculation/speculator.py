@@ -146,6 +146,15 @@ class Proposal:
 _NO_PROPOSAL = Proposal([], [], 0, False)
 
 
+def _tokens_only(guess: list[int]) -> list[int]:
+    """The guess up to the first image position it copied (an id < 0, `image_token_ids`):
+    an image's ids are no vocabulary's tokens, and llama_decode refuses them."""
+    for i, token in enumerate(guess):
+        if token < 0:
+            return guess[:i]
+    return guess
+
+
 @dataclass
 class Speculator:
     """Drafts for the scheduler, verification results from the engine, and the totals.
@@ -271,7 +280,7 @@ class Speculator:
             return _NO_PROPOSAL
         tokens = req.all_token_ids
         if not isinstance(drafter, NgramDrafter):
-            guess = drafter.propose(tokens, k)
+            guess = _tokens_only(drafter.propose(tokens, k))
             return Proposal(guess, [self.rates.likeliest()] * len(guess), 0, False)
         # Once costs are measured, every match length is looked up and its own rate decides;
         # before, only ngram_min and longer. A request whose guesses kept failing departed
@@ -285,6 +294,7 @@ class Speculator:
         own = drafter.propose_matched(tokens, k, suffixes, shortest)
         other = self.recent.propose(tokens, k, req.cache_scope, suffixes, shortest, own[0])
         match, guess = other if other[0] > own[0] else own
+        guess = _tokens_only(guess)
         return Proposal(guess, self.rates.runs(match, len(guess), state.odds()), match, probe)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:

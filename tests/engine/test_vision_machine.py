@@ -1,0 +1,90 @@
+"""The engine state machine on the tiny vision model: tiny llama with the tiny projector.
+
+The traffic of `tests/unit/test_engine_state_machine.py` (prompts that repeat, extend and
+branch off earlier ones, n > 1, hang-ups, next turns), with images among the prompt symbols:
+three images, each a run of its 16 ids (`image_token_ids`) with the projector's rows. So
+requests send no image, an image seen before (its KV resident, parked or being computed by
+another request) or another image after the same text, and branches cut through images.
+Oracle: every answer equals its prompt, with its images, decoded alone on an engine without
+prefix reuse (batch-shape float noise may break a near tie either way: `_Oracle.agreeing`).
+The machine knows an image by its ids, so that the ids differ between images is proven by
+`test_vision_reuse.py` (another image, one changed pixel), not here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+from ferrum.config import EngineConfig
+from ferrum.engine.contracts import RgbImage
+from ferrum.engine.engine import LLMEngine
+from ferrum.engine.llama.runner import LlamaRunner
+from ferrum.engine.request import image_token_ids
+from tests.engine.test_sliding_window_machine import (
+    BATCH,
+    BLOCK,
+    CTX,
+    PARALLEL,
+    SlidingWindowMachine,
+    _Oracle,
+)  # fmt: skip
+from tests.profiles import examples
+from tests.unit.test_engine_state_machine import image_spans
+
+
+def _rows(path: str, mmproj: str, seeds: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Each image's ids → its rows, one per id, from the projector."""
+    cfg = EngineConfig(ctx_size=CTX, parallel=1, batch_size=BATCH, threads=2)
+    runner = LlamaRunner(cfg, path, mmproj=mmproj)
+    rows: dict[int, np.ndarray] = {}
+    try:
+        for seed in seeds:
+            pixels = np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            image = RgbImage(32, 32, pixels.tobytes())
+            assert runner.images is not None
+            (embeds,) = [p for p in runner.images.encode(image) if not isinstance(p, list)]
+            ids = image_token_ids(image.digest, len(embeds))
+            rows |= dict(zip(ids, embeds, strict=True))
+    finally:
+        runner.close()
+    return rows
+
+
+class VisionMachine(SlidingWindowMachine):
+    mmproj: str = ""
+    rows: dict[int, np.ndarray] = {}
+
+    def make_engine(self):
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2)
+        runner = LlamaRunner(cfg, self.path, mmproj=self.mmproj)
+        return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
+
+    def image_rows(self, ids: list[int]) -> np.ndarray:
+        return _stacked(ids)
+
+
+def _stacked(ids: list[int]) -> np.ndarray:
+    return np.stack([VisionMachine.rows[i] for i in ids])
+
+
+def test_vision_state_machine(tiny_llama, mmproj):
+    VisionMachine.path, VisionMachine.mmproj = tiny_llama, mmproj
+    VisionMachine.rows = _rows(tiny_llama, mmproj, (1, 2, 3))
+    ids = list(VisionMachine.rows)
+    n = len(ids) // 3
+    VisionMachine.images = tuple(ids[k * n : (k + 1) * n] for k in range(3))
+    VisionMachine.alone = _Oracle(
+        tiny_llama, mmproj=mmproj, spans=lambda prompt: image_spans(prompt, _stacked)
+    )
+    try:
+        machine = VisionMachine.TestCase()
+        machine.settings = settings(
+            max_examples=examples(30),
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        )
+        machine.runTest()
+    finally:
+        VisionMachine.alone.engine.runner.close()
