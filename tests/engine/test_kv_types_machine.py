@@ -9,11 +9,9 @@ output equals the prompt decoded alone on the same q8_0 cache without prefix reu
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 from tests.engine.test_kv_types_llama import Q8, llama32  # noqa: F401 - the fixture
-from tests.engine.test_sliding_window_machine import SlidingWindowMachine, _Oracle
-from tests.profiles import examples
+from tests.engine.test_sliding_window_machine import SlidingWindowMachine, _Oracle, run_machine
 
 
 class QuantizedCacheMachine(SlidingWindowMachine):
@@ -22,16 +20,4 @@ class QuantizedCacheMachine(SlidingWindowMachine):
 
 @pytest.mark.slow  # minutes: flash attention over q8_0 cells costs more on a CPU than f16
 def test_quantized_cache_state_machine(llama32: str) -> None:  # noqa: F811 - the fixture
-    path = QuantizedCacheMachine.path = llama32
-    QuantizedCacheMachine.alone = _Oracle(path, **Q8)
-    try:
-        machine = QuantizedCacheMachine.TestCase()
-        machine.settings = settings(
-            max_examples=examples(20),
-            stateful_step_count=40,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        )
-        machine.runTest()
-    finally:
-        QuantizedCacheMachine.alone.engine.runner.close()
+    run_machine(QuantizedCacheMachine, llama32, 20, _Oracle(llama32, **Q8))

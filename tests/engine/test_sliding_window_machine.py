@@ -113,20 +113,29 @@ class SlidingWindowMachine(EngineMachine):
             self.runner.close()
 
 
-def test_sliding_window_state_machine(tiny_gemma3):
-    path = SlidingWindowMachine.path = tiny_gemma3
-    SlidingWindowMachine.alone = _Oracle(path)
+def run_machine(
+    machine: type[SlidingWindowMachine], path: str, max_examples: int,
+    alone: _Oracle | None = None, steps: int = 40,
+) -> None:  # fmt: skip
+    """Runs `machine` on the model at `path` against its oracle (default: the same model
+    decoding alone)."""
+    machine.path = path
+    machine.alone = alone or _Oracle(path)
     try:
-        machine = SlidingWindowMachine.TestCase()
-        machine.settings = settings(
-            max_examples=examples(60),
-            stateful_step_count=40,
+        case = machine.TestCase()
+        case.settings = settings(
+            max_examples=examples(max_examples),
+            stateful_step_count=steps,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         )
-        machine.runTest()
+        case.runTest()
     finally:
-        SlidingWindowMachine.alone.engine.runner.close()
+        machine.alone.engine.runner.close()
+
+
+def test_sliding_window_state_machine(tiny_gemma3):
+    run_machine(SlidingWindowMachine, tiny_gemma3, 60)
 
 
 class _WindowDrafter:
@@ -171,17 +180,5 @@ class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
 
 
 def test_sliding_window_state_machine_with_speculation(tiny_gemma3):
-    path = SpeculatingSlidingWindowMachine.path = tiny_gemma3
-    SpeculatingSlidingWindowMachine.alone = _Oracle(path)
-    try:
-        machine = SpeculatingSlidingWindowMachine.TestCase()
-        machine.settings = settings(
-            max_examples=examples(40),
-            stateful_step_count=40,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        )
-        machine.runTest()
-        assert SpeculatingSlidingWindowMachine.drafts > 0
-    finally:
-        SpeculatingSlidingWindowMachine.alone.engine.runner.close()
+    run_machine(SpeculatingSlidingWindowMachine, tiny_gemma3, 40)
+    assert SpeculatingSlidingWindowMachine.drafts > 0

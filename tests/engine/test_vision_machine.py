@@ -14,7 +14,6 @@ The machine knows an image by its ids, so that the ids differ between images is 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, settings
 
 from ferrum.config import EngineConfig
 from ferrum.engine.contracts import RgbImage
@@ -28,8 +27,8 @@ from tests.engine.test_sliding_window_machine import (
     PARALLEL,
     SlidingWindowMachine,
     _Oracle,
+    run_machine,
 )  # fmt: skip
-from tests.profiles import examples
 from tests.unit.test_engine_state_machine import image_spans
 
 
@@ -74,17 +73,5 @@ def test_vision_state_machine(tiny_llama, mmproj):
     ids = list(VisionMachine.rows)
     n = len(ids) // 3
     VisionMachine.images = tuple(ids[k * n : (k + 1) * n] for k in range(3))
-    VisionMachine.alone = _Oracle(
-        tiny_llama, mmproj=mmproj, spans=lambda prompt: image_spans(prompt, _stacked)
-    )
-    try:
-        machine = VisionMachine.TestCase()
-        machine.settings = settings(
-            max_examples=examples(30),
-            stateful_step_count=30,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        )
-        machine.runTest()
-    finally:
-        VisionMachine.alone.engine.runner.close()
+    alone = _Oracle(tiny_llama, mmproj=mmproj, spans=lambda prompt: image_spans(prompt, _stacked))
+    run_machine(VisionMachine, tiny_llama, 30, alone, steps=30)
