@@ -142,7 +142,10 @@ def test_kvtypes_decode_rate_counts_while_every_stream_decodes():
     # from 2.0 (b's first) to 4.5 (b's last): a's 3.0 and 4.0, b's 2.5 to 4.5
     assert kvtypes.decode_rate([a, b]) == pytest.approx(7 / 2.5)
     apart = [_sample([0.0, 1.0]), _sample([2.0, 3.0])]  # never together: the whole span
-    assert kvtypes.decode_rate(apart) == pytest.approx(3 / 3.0)
+    assert kvtypes.decode_rate(apart) == pytest.approx(2 / 3.0)  # first chunks not counted
+    # together for a sliver (4.9-5.0) holding 3 of 9 decoded chunks: not 30/s
+    staggered = [_sample([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]), _sample([4.9, 4.95, 5.0, 6.0, 6.5])]
+    assert kvtypes.decode_rate(staggered) == pytest.approx(9 / 6.5)
 
 
 def test_kvtypes_pairs_ferrum_with_the_peer_at_each_type_and_with_f16():
