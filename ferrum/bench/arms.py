@@ -40,10 +40,15 @@ class Arm:
     url: str = ""  # only for kind "url": the server is not ours to start
 
 
+def cache_dir() -> Path:
+    """The bench's own files outside any checkout: llama.cpp builds, generated adapters."""
+    return Path(os.environ.get("FERRUM_BENCH_CACHE", Path.home() / ".cache" / "ferrum-bench"))
+
+
 def llama_cpp_build_dir(flavor: str = "same") -> Path:
     """Where bench/build_llama_server.sh puts llama.cpp's binaries for the installed pin:
     built with ferrum's kernel flags ("same"), or with cmake's defaults ("default")."""
-    cache = Path(os.environ.get("FERRUM_BENCH_CACHE", Path.home() / ".cache" / "ferrum-bench"))
+    cache = cache_dir()
     version = importlib.metadata.version("llama-cpp-python")
     suffix = "" if flavor == "same" else f"-{flavor}"
     return cache / f"build-{version}{suffix}" / "bin"

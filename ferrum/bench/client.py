@@ -104,11 +104,13 @@ async def stream_completion(
     fixed: bool = True,
     sample: Sample | None = None,
     n: int = 1,
+    extra: dict[str, Any] | None = None,
 ) -> Sample:
     """`sample`: filled in as the stream arrives, for callers that watch its progress (with
-    `n` choices, their chunks all count)."""
+    `n` choices, their chunks all count); `extra`: more fields of the body (a server's own,
+    such as llama-server's `lora`)."""
     sample = sample or Sample(prompt=prompt, max_tokens=max_tokens)
-    body = request_body(model, prompt, max_tokens, dialect, fixed, n)
+    body = request_body(model, prompt, max_tokens, dialect, fixed, n) | (extra or {})
     await _stream(client, "/v1/completions", body, sample, _text)
     if not sample.chunk_times:
         raise RuntimeError(f"stream without text (finish_reason {sample.finish_reason})")

@@ -36,6 +36,8 @@ STUDIES = {
     "cluster": "cluster",
     "kernels": "kernels",
     "router": "router",
+    "lora": "lora",
+    "kvtypes": "kvtypes",
 }
 
 T = TypeVar("T", int, float, str, bool)

@@ -1,0 +1,231 @@
+"""Quantized KV cache (issue #42): f16, q8_0 and q4_0 cells, ferrum against llama-server with
+the same flags, on the default chat model.
+
+Arms `SERVER TYPE`, one server at a time: `ferrum serve --cache-type-k T --cache-type-v T
+--flash-attn on --parallel 8 --ctx-size 8192` and `llama-server -ctk T -ctv T -fa on -np 8
+-c 8192 --kv-unified` (`llama-server-default`: the cmake-default build). The default arms
+are every `--set types=` (default f16,q8_0,q4_0) on ferrum, then on llama-server-default;
+the first is the reference of results.md's table, and `pairs.md` (appended to it) pairs
+ferrum against llama-server at each type and each type against f16 on ferrum.
+
+Per arm and round, on a fresh server (after one unmeasured request):
+- prefill: one prompt of `prefill_words` words (seeded by the round, the same for every
+  arm of a round), one output token: prompt tokens (the server's usage) / TTFT.
+- decode: `clients` clients (default 8) at once, each a short prompt of its own and `tokens`
+  output tokens (ignore_eos); tokens per second while every stream was decoding (from the
+  last first token to the first last token; one token a streamed chunk; `decode_rate`).
+- capacity: KV bytes per token as the server states it: ferrum's /health (the model's
+  `kv_cache_bytes_total` over the cells, its `kv_cache_types` checked against the arm),
+  llama-server's `llama_kv_cache: size = … MiB (N cells …)` log line (printed only at
+  `-lv 4`, so a second, short start of the same command reads it). From it, how many
+  conversations of `conv_tokens` tokens (default 1,000) fit in `budget_mib` MiB of KV
+  (default 256): arithmetic on the measured figure, not a residency test.
+
+    ferrum bench --study kvtypes [--rounds 4] [--set types=f16,q8_0] [--set clients=8]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from dataclasses import replace
+from typing import Any
+
+import httpx
+
+from ferrum.bench.client import Dialect, Sample, stream_completion
+from ferrum.bench.process import ServerProcess
+from ferrum.bench.rounds import Metric, per_round
+from ferrum.bench.stats import Spread, paired_ratio, verdict
+from ferrum.bench.studies import Study, StudyRun
+from ferrum.bench.studies.burst import WORDS
+from ferrum.bench.studies.tiers import document, turn
+from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+SERVERS = ("ferrum", "llama-server-default")
+PARALLEL, CTX = "8", "8192"
+MIB = 1 << 20
+METRICS = (
+    Metric("decode_tok_s", "tok/s", True, 1),
+    Metric("prefill_tok_s", "tok/s", True, 1),
+    Metric("kv_bytes_per_token", "B", False, 0),
+    Metric("conversations_in_budget", "", True, 0),
+)
+
+
+def parse_arm(arm: str) -> tuple[str, str]:
+    """(server, KV type) of `SERVER TYPE` (`ferrum q8_0`, `llama-server-default q4_0`)."""
+    server, _, kv = arm.rpartition(" ")
+    if not server or kv not in KV_TYPES:
+        raise ValueError(f"arm {arm!r}: expected SERVER TYPE, TYPE one of {', '.join(KV_TYPES)}")
+    return server, kv
+
+
+def arms(types: str) -> list[str]:
+    kinds = [t.strip() for t in types.split(",") if t.strip()]
+    for kv in kinds:
+        if kv not in KV_TYPES:
+            raise ValueError(f"--set types: {kv!r} is none of {', '.join(KV_TYPES)}")
+    return [f"{server} {kv}" for server in SERVERS for kv in kinds]
+
+
+def server_flags(ferrum: bool, kv: str) -> list[str]:
+    if ferrum:
+        return ["--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on"]
+    return ["-ctk", kv, "-ctv", kv, "-fa", "on"]
+
+
+def llama_kv_bytes_per_token(log: str) -> float:
+    """From llama-server's `llama_kv_cache: size =   23.91 MiB (  2048 cells, …` line."""
+    found = re.search(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells", log)
+    if found is None:
+        raise RuntimeError("no `llama_kv_cache: size = … MiB (N cells` line in the log")
+    return float(found.group(1)) * MIB / int(found.group(2))
+
+
+def conversations(bytes_per_token: float, budget_mib: float, conv_tokens: int) -> int:
+    """Whole conversations of `conv_tokens` tokens in `budget_mib` MiB of KV."""
+    return int(budget_mib * MIB // (bytes_per_token * conv_tokens))
+
+
+def decode_rate(samples: list[Sample]) -> float:
+    """Chunks per second while every stream was decoding: from the last stream's first chunk
+    to the first stream's last chunk. When that window holds under half of the chunks that
+    followed a first one (short or staggered streams: a few chunks over a sliver of time
+    would read as any rate at all), those chunks over the whole span instead."""
+    start = max(s.chunk_times[0] for s in samples)
+    end = min(s.chunk_times[-1] for s in samples)
+    decoded = sum(len(s.chunk_times) - 1 for s in samples)
+    inside = sum(1 for s in samples for t in s.chunk_times if start < t <= end)
+    if end > start and 2 * inside >= decoded:
+        return inside / (end - start)
+    span = max(s.chunk_times[-1] for s in samples) - min(s.chunk_times[0] for s in samples)
+    return decoded / span
+
+
+def prompt(seed: int, words: int) -> str:
+    return turn("", f"Summarise these notes: {document(seed, words)}")
+
+
+async def _measure(run: StudyRun, url: str, round_no: int) -> tuple[dict[str, float], dict]:
+    """The speed metrics, and /health's answer afterwards (ferrum's KV bytes and types)."""
+    clients, tokens = run.option("clients", 8), run.option("tokens", 32 if run.quick else 128)
+    words = run.option("prefill_words", 300 if run.quick else 1200)
+    if not 1 <= clients <= len(WORDS):
+        raise ValueError(f"--set clients={clients}: from 1 to {len(WORDS)}")
+    async with httpx.AsyncClient(base_url=url, timeout=900) as http:
+        await stream_completion(http, "bench", turn("", "Say hello."), 4, Dialect())
+        long = await stream_completion(http, "bench", prompt(round_no, words), 1, Dialect())
+        if not long.prompt_tokens or not long.ttft_s:
+            raise RuntimeError("the long prompt's usage or first token did not come back")
+        shorts = [turn("", f"Write about the {w} {round_no}.") for w in WORDS[:clients]]
+        samples = await asyncio.gather(
+            *(stream_completion(http, "bench", p, tokens, Dialect()) for p in shorts)
+        )
+        health = (await http.get("/health")).json()
+    speed = {"prefill_tok_s": long.prompt_tokens / long.ttft_s,
+             "decode_tok_s": decode_rate(samples)}  # fmt: skip
+    return speed, health
+
+
+def _ferrum(run: StudyRun, arm: str, model: str, kv: str) -> ServerProcess:
+    return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
+                      "--parallel", PARALLEL, "--ctx-size", CTX, "--cache-dir",
+                      str(run.out / "kv"), *server_flags(True, kv))  # fmt: skip
+
+
+def _llama(run: StudyRun, arm: str, model: str, kv: str, *more: str) -> ServerProcess:
+    flavor = "default" if arm.startswith("llama-server-default") else "same"
+    return run.llama_server(arm, model, "-np", PARALLEL, "-c", CTX, "--kv-unified",
+                            *server_flags(False, kv), *more, flavor=flavor)  # fmt: skip
+
+
+def _ferrum_bytes(health: dict[str, Any], kv: str) -> float:
+    """Bytes per cell from /health's figures of the model (its `models` entry: the top
+    level adds up every model served and leaves the types out)."""
+    health = health["models"]["bench"]
+    types = health.get("kv_cache_types") or {}
+    if (types.get("type_k"), types.get("type_v")) != (kv, kv):
+        raise RuntimeError(f"/health says the KV types are {types}, not {kv}")
+    return float(health["kv_cache_bytes_total"]) / int(CTX)
+
+
+def _llama_bytes(run: StudyRun, arm: str, model: str, kv: str) -> float:
+    server = _llama(run, f"{arm} kv-size", model, kv, "-lv", "4")
+    try:
+        return llama_kv_bytes_per_token(server.log_path.read_text(errors="replace"))
+    finally:
+        server.stop()
+
+
+def measure(run: StudyRun, arm: str, round_no: int) -> dict[str, float]:
+    model = run.model or builtin_path(DEFAULT_CHAT_MODEL)
+    server_kind, kv = parse_arm(arm)
+    ferrum = run.is_ferrum(server_kind)
+    shutil.rmtree(run.out / "kv", ignore_errors=True)
+    server = _ferrum(run, arm, model, kv) if ferrum else _llama(run, arm, model, kv)
+    try:
+        got, health = asyncio.run(_measure(run, server.url, round_no))
+    finally:
+        server.stop()
+        shutil.rmtree(run.out / "kv", ignore_errors=True)
+    per_token = _ferrum_bytes(health, kv) if ferrum else _llama_bytes(run, arm, model, kv)
+    got["kv_bytes_per_token"] = per_token
+    got["conversations_in_budget"] = conversations(
+        per_token, run.option("budget_mib", 256.0), run.option("conv_tokens", 1000)
+    )
+    return got
+
+
+def pairs(records: list[dict[str, Any]], arm_list: list[str]) -> str:
+    """Each ferrum arm against each other server at its type, and against `ferrum f16`: the
+    paired ratio per round and the verdict over the ranges, as a Markdown table."""
+    lines = ["| metric | A ÷ B | A ÷ B, per round | A's verdict |", "|---|---|---|---|"]
+    for m in METRICS:
+        for a in arm_list:
+            server, kv = parse_arm(a)
+            if server != "ferrum":
+                continue
+            peers = [b for b in arm_list if parse_arm(b)[1] == kv and parse_arm(b)[0] != server]
+            peers += ["ferrum f16"] if kv != "f16" and "ferrum f16" in arm_list else []
+            for b in peers:
+                ours, theirs = per_round(records, a, m.key), per_round(records, b, m.key)
+                ratio = paired_ratio(ours, theirs)
+                if ratio is None:
+                    continue
+                won = verdict(Spread.of(ours.values()), Spread.of(theirs.values()),
+                              m.higher_is_better)  # fmt: skip
+                span = f"{ratio.median:.2f} [{ratio.lo:.2f}, {ratio.hi:.2f}]"
+                lines.append(f"| {m.key} | {a} ÷ {b} | {span} | {won} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(run: StudyRun) -> int:
+    """The arms of `--set types=` (or `--arms`) alternated over the rounds, then the pairs
+    (ferrum ÷ llama-server at each type, each type ÷ f16) appended to results.md."""
+    import json
+
+    from ferrum.bench.studies import run_study
+
+    chosen = run.arms or arms(run.option("types", "f16,q8_0,q4_0"))
+    for arm in chosen:
+        parse_arm(arm)
+    code = run_study(replace(run, arms=chosen), replace(STUDY, measure=measure, main=None))
+    records = json.loads((run.out / "rounds.json").read_text())["records"]
+    table = pairs(records, chosen)
+    (run.out / "pairs.md").write_text(table)
+    with open(run.out / "results.md", "a") as md:
+        md.write(f"\n## Pairs\n\n{table}")
+    print(f"\n{table}", end="")
+    return code
+
+
+STUDY = Study(
+    name="kvtypes",
+    title="KV cache types f16, q8_0, q4_0: decode, prefill, KV bytes per token",
+    arms=tuple(arms("f16,q8_0,q4_0")),
+    metrics=METRICS,
+    main=main,
+)
