@@ -104,10 +104,9 @@ def render(
         "",
         f"{s.rounds} rounds (round 1 discarded as warm-up); elapsed {meta['elapsed']} "
         f"(estimated {meta['estimate_min']:.0f} min). Machine: {meta['machine']}.",
-        f"Model `{Path(plan.model).name}`; every server: {s.threads} threads, one pool of "
-        f"{s.ctx_size} KV cells any single sequence may fill, up to {s.parallel} sequences "
-        f"at once; prompts are raw Gemma-formatted text through `/v1/completions`, "
-        f"temperature 0.",
+        f"Model `{Path(plan.model).name}`; every server: {s.threads} threads, {_cells(s)}, "
+        f"up to {s.parallel} sequences at once; prompts are raw Gemma-formatted text "
+        f"through `/v1/completions`, temperature 0.",
         "",
         "Cells: median [min, max] over the kept rounds. Ratio columns: "
         f"`{ref}` / other, median [min, max] of the per-round ratios, then the verdict from "
@@ -160,3 +159,10 @@ def _hygiene(records: list[dict], s: BenchSettings) -> list[str]:
             first = r["error"].splitlines()[0]
             out.append(f"- FAILED: round {r['round']} {r['workload']} {r['arm']}: {first}")
     return out
+
+
+def _cells(s: BenchSettings) -> str:
+    pool = f"one pool of {s.ctx_size} KV cells any single sequence may fill"
+    if s.peer_kv_unified:
+        return pool
+    return f"{pool} (llama-server: {s.ctx_size // s.parallel} cells per slot, its default)"
