@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.conftest import running_server
+from tests.e2e.conftest import NO_SPECULATION, running_server
 from tests.schemas import checked
 
 CAT = [{"role": "user", "content": "Describe a cat as a JSON object with keys name and age."}]
@@ -58,8 +58,9 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right n
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     """A server of its own: the KV these tests leave parked would shift other modules' greedy
-    texts (llama.cpp rounds differently as the occupied cell range grows)."""
-    with running_server(tmp_path_factory, "ferrum-breadth") as url:
+    texts (llama.cpp rounds differently as the occupied cell range grows). No speculation,
+    as on the shared servers (conftest.NO_SPECULATION): a seed twice must give one text."""
+    with running_server(tmp_path_factory, "ferrum-breadth", *NO_SPECULATION) as url:
         yield url
 
 
