@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import pytest
+from fastapi.testclient import TestClient
 
+from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+from ferrum.server import build_server
 from tests.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mamba
 from tests.tiny_vision import write_tiny_mmproj
 
@@ -30,3 +33,16 @@ def tiny_gemma3(tmp_path_factory) -> str:
 @pytest.fixture(params=["llama", "mamba"])
 def tiny_model(request, tiny_llama, tiny_mamba) -> str:
     return tiny_llama if request.param == "llama" else tiny_mamba
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, mmproj, tmp_path_factory):
+    """A server in process: the tiny llama as "eye" (with the tiny projector) and "text"."""
+    engine_cfg = EngineConfig(ctx_size=512, parallel=4, batch_size=64, threads=2,
+                              cache_ram=0, cache_disk=0)  # fmt: skip
+    models = ModelsConfig(model=(f"eye={tiny_llama}", f"text={tiny_llama}"),
+                          models_dir=str(tmp_path_factory.mktemp("store")),
+                          mmproj=(f"eye={mmproj}",))  # fmt: skip
+    app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
+    with TestClient(app) as c:
+        yield c

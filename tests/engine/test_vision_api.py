@@ -6,25 +6,10 @@ from __future__ import annotations
 import base64
 
 import pytest
-from fastapi.testclient import TestClient
 
-from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.models.projectors import attach
 from ferrum.models.registry import ModelSpec
-from ferrum.server import build_server
 from tests.tiny_vision import N_IMAGE_TOKENS, data_uri, flat_image_bytes, image_bytes
-
-
-@pytest.fixture(scope="module")
-def client(tiny_llama, mmproj, tmp_path_factory):
-    engine_cfg = EngineConfig(ctx_size=512, parallel=4, batch_size=64, threads=2,
-                              cache_ram=0, cache_disk=0)  # fmt: skip
-    models = ModelsConfig(model=(f"eye={tiny_llama}", f"text={tiny_llama}"),
-                          models_dir=str(tmp_path_factory.mktemp("store")),
-                          mmproj=(f"eye={mmproj}",))  # fmt: skip
-    app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
-    with TestClient(app) as c:
-        yield c
 
 
 def _png(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> str:

@@ -14,10 +14,7 @@ import httpx2
 import ollama
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
-from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
-from ferrum.server import build_server
 from tests import schemas
 from tests.schema_check import OllamaBridge, conforms, ollama_answer
 from tests.schemas import checked
@@ -28,16 +25,6 @@ PNG = image_bytes(1)
 B64 = base64.b64encode(PNG).decode()
 
 
-@pytest.fixture(scope="module")
-def client(tiny_llama, mmproj, tmp_path_factory):
-    engine_cfg = EngineConfig(ctx_size=512, parallel=4, batch_size=64, threads=2,
-                              cache_ram=0, cache_disk=0)  # fmt: skip
-    models = ModelsConfig(model=(f"eye={tiny_llama}", f"text={tiny_llama}"),
-                          models_dir=str(tmp_path_factory.mktemp("store")),
-                          mmproj=(f"eye={mmproj}",))  # fmt: skip
-    app = build_server(engine_cfg, ServerConfig(port=9999), models)[0]
-    with TestClient(app) as c:
-        yield c
 
 
 def _openai(client, b64: str = B64, model: str = "eye") -> dict:
