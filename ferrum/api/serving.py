@@ -43,6 +43,7 @@ from ferrum.server_metrics import ServerMetrics
 
 T = TypeVar("T")
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+PrepareFn = Callable[[ServedModel, B, str], "Prepared"]  # (model, body, its cache scope)
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -76,15 +77,10 @@ class Prepared:
     images: tuple[ImageSpan, ...] = ()  # image rows at their prompt positions
 
 
-# Prepares a body on the preparation thread: (model, body, the caller's cache scope).
-PrepareFn = Callable[[ServedModel, B, str], Prepared]
-
-
 def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) -> Prepared:
-    """The prompt (tools carried by the template), the response kind and the grammar, if any;
-    its images encoded as requests of `scope` (`caller_scope`) reuse them. Template rendering,
-    tokenizing and grammar building take CPU time: call it in a worker thread (`prepare`),
-    never on the event loop.
+    """The prompt (tools carried by the template, images encoded as `scope`'s), the response
+    kind and the grammar, if any. Rendering, tokenizing, encoding and grammar building take
+    CPU time: call it in a worker thread (`prepare`), never on the event loop.
 
     A forced tool choice and a JSON response_format would each need their own grammar over
     the same output, so they are refused together."""
@@ -137,8 +133,7 @@ def chat_prompt(
 
 
 def prepare_completion(model: ServedModel, body: CompletionRequest, scope: str) -> Prepared:
-    """The prompt of a text completion: its text tokenized, or its token ids checked (`scope`
-    is unused: a completion carries no images)."""
+    """The prompt of a text completion: its text tokenized, or its token ids checked."""
     body.reject_unsupported()
     prompt_in = body.prompt_input()
     if isinstance(prompt_in, str):
@@ -177,20 +172,11 @@ def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:
 async def prepare(
     state: ServerState, prepare_fn: PrepareFn[B], model: ServedModel, body: B, http: Request
 ) -> Prepared:
-    """Runs request preparation off the event loop, which every open stream is waiting on,
-    and in turns with the decodes (`ferrum.api.prompting.preparation`); a short body's
-    without waiting for a turn."""
+    """Runs request preparation off the event loop, which every open stream is waiting on, in
+    turns with the decodes (`ferrum.api.prompting.preparation`); a short body's at once."""
     light = light_body(http.headers.get("content-length"))
-    scope = caller_scope(state, caller_of(http), body)
+    scope = cache_scope(caller_of(http), body.cache_salt, state.share_prefix_cache)  # submit's
     return await model.preparer.run(functools.partial(prepare_fn, model, body, scope), light)
-
-
-def caller_scope(
-    state: ServerState, caller: Caller, body: ChatCompletionRequest | CompletionRequest
-) -> str:
-    """Whose caches a request reads and leaves for reuse (`ferrum.api.auth.cache_scope`): its
-    images' kept encodings (`prepare`) and, with its LoRA files added, its KV (`submit`)."""
-    return cache_scope(caller, body.cache_salt, state.share_prefix_cache)
 
 
 def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:
@@ -278,7 +264,8 @@ def submit(
     params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     adapters = request_adapters(model, body)  # KV is scoped by their files too
-    scope = caller_scope(state, caller, body) + files_scope(model.adapters, adapters)
+    scope = cache_scope(caller, body.cache_salt, state.share_prefix_cache)  # as `prepare`'s
+    scope += files_scope(model.adapters, adapters)
     params = dataclasses.replace(
         params, cache_scope=scope, tenant=caller.tenant or request_id, adapters=adapters
     )
