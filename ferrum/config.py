@@ -122,8 +122,9 @@ class EngineConfig:
         default=8,
         metadata=_flag(
             "--spec-recent",
-            help="finished requests whose tokens a request may also guess from, the longer "
-            "match winning (a retry or regeneration repeats an earlier answer; 0: its own only)",
+            help="finished requests of its own cache scope (API key) whose tokens a request may "
+            "also guess from, the longer match winning (a retry or regeneration repeats an "
+            "earlier answer; 0: its own only)",
         ),
     )
     spec_batch_max: int = field(

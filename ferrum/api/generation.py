@@ -23,7 +23,7 @@ from ferrum.api.loaded import ServedModel
 from ferrum.api.openai.answers import failure
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.prompting.tool_calls import StreamDelta, ToolCall, ToolFormat
-from ferrum.api.serving import Prepared, ServerState, Submission, serve_request
+from ferrum.api.serving import Prepared, PrepareFn, ServerState, Submission, serve_request
 from ferrum.engine.async_engine import RequestStream
 from ferrum.engine.outputs import RequestOutput
 from ferrum.errors import EngineError, RequestTimeout
@@ -131,7 +131,7 @@ async def serve(
     http: Request,
     lease: Lease[ServedModel],
     body: B,
-    prepare_fn: Callable[[ServedModel, B], Prepared],
+    prepare_fn: PrepareFn[B],
     answer: Answer,
 ) -> Response:
     """Prepares, submits and answers one generation on the leased model (n is 1), through the

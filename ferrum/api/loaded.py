@@ -14,10 +14,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ferrum.api.prompting.chat_template import ChatFormatter
+from ferrum.api.prompting.encoded_images import EncodedImages
 from ferrum.api.prompting.grammar import GrammarBuilder
 from ferrum.api.prompting.preparation import Preparer
 from ferrum.engine.async_engine import AsyncEngine
-from ferrum.engine.contracts import ImageEncoder, ModelInfo, Vocabulary
+from ferrum.engine.contracts import ModelInfo, Vocabulary
 from ferrum.metrics import Metrics
 from ferrum.models.adapters import LoraAdapter
 
@@ -40,7 +41,7 @@ class ServedModel:
     # Where its requests are prepared: the server's one preparer, in turns with its engines.
     preparer: Preparer = dataclasses.field(default_factory=lambda: Preparer(None))
     adapters: tuple[LoraAdapter, ...] = ()  # its LoRA adapters, in id order
-    images: ImageEncoder | None = None  # its vision projector; None: it takes no images
+    images: EncodedImages | None = None  # its vision projector; None: it takes no images
     grammars: GrammarBuilder = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:

@@ -43,6 +43,7 @@ from ferrum.server_metrics import ServerMetrics
 
 T = TypeVar("T")
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
+PrepareFn = Callable[[ServedModel, B, str], "Prepared"]  # (model, body, its cache scope)
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -76,10 +77,10 @@ class Prepared:
     images: tuple[ImageSpan, ...] = ()  # image rows at their prompt positions
 
 
-def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
-    """The prompt (tools carried by the template), the response kind and the grammar, if any.
-    Template rendering, tokenizing and grammar building take CPU time: call it in a worker
-    thread (`prepare`), never on the event loop.
+def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) -> Prepared:
+    """The prompt (tools carried by the template, images encoded as `scope`'s), the response
+    kind and the grammar, if any. Rendering, tokenizing, encoding and grammar building take
+    CPU time: call it in a worker thread (`prepare`), never on the event loop.
 
     A forced tool choice and a JSON response_format would each need their own grammar over
     the same output, so they are refused together."""
@@ -89,8 +90,9 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> Prepared:
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     spans: tuple[ImageSpan, ...] = ()
     if parts := image_parts(body.messages):
+        encoder = None if model.images is None else model.images.scoped(scope)
         prompt, spans = prompt_with_images(
-            model.name, model.images, parts, model.vocab.tokenize,
+            model.name, encoder, parts, model.vocab.tokenize,
             lambda marked: chat_prompt(model.formatter, model.vocab, model.system, body, tools,
                                        marked),
         )  # fmt: skip
@@ -130,7 +132,7 @@ def chat_prompt(
     return formatter.tokenize(messages, tokenize or vocab.tokenize, tools.template_tools())
 
 
-def prepare_completion(model: ServedModel, body: CompletionRequest) -> Prepared:
+def prepare_completion(model: ServedModel, body: CompletionRequest, scope: str) -> Prepared:
     """The prompt of a text completion: its text tokenized, or its token ids checked."""
     body.reject_unsupported()
     prompt_in = body.prompt_input()
@@ -168,13 +170,13 @@ def check_token_ids(n_vocab: int, tokens: list[int], param: str) -> list[int]:
 
 
 async def prepare(
-    prepare_fn: Callable[[ServedModel, B], Prepared], model: ServedModel, body: B, http: Request
+    state: ServerState, prepare_fn: PrepareFn[B], model: ServedModel, body: B, http: Request
 ) -> Prepared:
-    """Runs request preparation off the event loop, which every open stream is waiting on,
-    and in turns with the decodes (`ferrum.api.prompting.preparation`); a short body's
-    without waiting for a turn."""
+    """Runs request preparation off the event loop, which every open stream is waiting on, in
+    turns with the decodes (`ferrum.api.prompting.preparation`); a short body's at once."""
     light = light_body(http.headers.get("content-length"))
-    return await model.preparer.run(functools.partial(prepare_fn, model, body), light)
+    scope = cache_scope(caller_of(http), body.cache_salt, state.share_prefix_cache)  # submit's
+    return await model.preparer.run(functools.partial(prepare_fn, model, body, scope), light)
 
 
 def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:
@@ -262,7 +264,7 @@ def submit(
     params = body.sampling_params(max_tokens, model.info.n_vocab, prepared.grammar)
     request_id = ("chatcmpl-" if kind.chat else "cmpl-") + uuid.uuid4().hex
     adapters = request_adapters(model, body)  # KV is scoped by their files too
-    scope = cache_scope(caller, body.cache_salt, state.share_prefix_cache)
+    scope = cache_scope(caller, body.cache_salt, state.share_prefix_cache)  # as `prepare`'s
     scope += files_scope(model.adapters, adapters)
     params = dataclasses.replace(
         params, cache_scope=scope, tenant=caller.tenant or request_id, adapters=adapters
@@ -352,7 +354,7 @@ async def serve_request(
     http: Request,
     lease: Lease[ServedModel],
     body: B,
-    prepare_fn: Callable[[ServedModel, B], Prepared],
+    prepare_fn: PrepareFn[B],
     reply: Reply,
 ) -> Any:
     """Prepares, submits and answers one request on the leased model, in every dialect: the
@@ -362,7 +364,7 @@ async def serve_request(
     try:
         model = lease.model
         body = with_defaults(model, body)
-        prepared = await prepare(prepare_fn, model, body, http)
+        prepared = await prepare(state, prepare_fn, model, body, http)
         reply.begin(prepared)
         sub = submit(state, caller_of(http), model, body, prepared, whole=not reply.stream)
     except BaseException:

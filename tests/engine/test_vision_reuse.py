@@ -170,11 +170,11 @@ def test_image_rows_reach_the_engine_read_only_and_unchanged(tiny_llama, mmproj)
 
     with llama_engine(tiny_llama, mmproj=mmproj) as engine:
         kept = EncodedImages(engine.runner.images, Counting())
-        prompt, spans = _prompt(engine, _image(1), encoder=kept)
+        prompt, spans = _prompt(engine, _image(1), encoder=kept.scoped(""))
         before = spans[0].embeds.copy()
         assert not spans[0].embeds.flags.writeable
         engine.add_request("a", prompt, sampling(max_tokens=4), images=spans)
         run_to_completion(engine)
         assert np.array_equal(spans[0].embeds, before)
-        again = _prompt(engine, _image(1), encoder=kept)[1][0].embeds
+        again = _prompt(engine, _image(1), encoder=kept.scoped(""))[1][0].embeds
     assert again is spans[0].embeds and kept.kept == 1

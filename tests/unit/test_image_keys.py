@@ -116,11 +116,11 @@ def test_image_ids_stand_exactly_at_the_image_positions():
 def test_an_image_is_encoded_once_while_its_encoding_is_kept():
     encoder, observer = _Encoder(), _Observer()
     kept = EncodedImages(encoder, observer)
-    first = kept.encode(_image(1))
-    again = kept.encode(RgbImage(4, 3, bytes(_image(1).pixels)))  # equal pixels, new object
+    first = kept.encode(_image(1), "")
+    again = kept.encode(RgbImage(4, 3, bytes(_image(1).pixels)), "")  # equal pixels, new object
     assert encoder.runs == 1 and len(observer.encoded) == 1 and observer.reused == 1
     assert again[1] is first[1] and not first[1].flags.writeable
-    kept.encode(_image(2))
+    kept.encode(_image(2), "")
     assert encoder.runs == 2 and kept.kept == 2
 
 
@@ -129,16 +129,66 @@ def test_kept_encodings_stay_within_their_bytes_least_recently_used_out():
     size = ROWS * 4 * 4 + 8  # one image's rows and its marker token
     kept = EncodedImages(encoder, observer, max_bytes=2 * size)
     for seed in (1, 2, 1, 3):  # 1 used again after 2: 2 goes when 3 comes
-        kept.encode(_image(seed))
+        kept.encode(_image(seed), "")
     assert kept.kept == 2 and kept.bytes == 2 * size and encoder.runs == 3
-    kept.encode(_image(1))
+    kept.encode(_image(1), "")
     assert encoder.runs == 3
-    kept.encode(_image(2))
+    kept.encode(_image(2), "")
     assert encoder.runs == 4
     small = EncodedImages(encoder, observer, max_bytes=size - 1)  # too big to keep at all
-    small.encode(_image(1))
-    small.encode(_image(1))
+    small.encode(_image(1), "")
+    small.encode(_image(1), "")
     assert small.kept == 0 and small.bytes == 0 and encoder.runs == 6
+
+
+def test_another_scope_encodes_the_image_again_and_its_own_reuses_it():
+    """The attack: key B sends the image key A sent a moment ago and times its answer. A
+    kept encoding would skip the encoder (faster), telling B that A sent that image; within
+    B's scope it must be encoded again. The scope is the prefix cache's (`cache_scope`):
+    callers who share one (`--share-prefix-cache`, a shared salt, no keys) share encodings."""
+    encoder, observer = _Encoder(), _Observer()
+    kept = EncodedImages(encoder, observer)
+    a, b = kept.scoped("key:a"), kept.scoped("key:b")
+    first = a.encode(_image(1))
+    assert encoder.runs == 1
+    other = b.encode(_image(1))
+    assert encoder.runs == 2 and observer.reused == 0  # B: encoded again, not served
+    assert other[1] is not first[1] and np.array_equal(other[1], first[1])
+    assert a.encode(_image(1))[1] is first[1] and b.encode(_image(1))[1] is other[1]
+    assert encoder.runs == 2 and observer.reused == 2 and kept.kept == 2
+    shared = kept.scoped("")  # every key of a shared scope: one encoding
+    shared.encode(_image(1))
+    kept.scoped("").encode(_image(1))
+    assert encoder.runs == 3 and observer.reused == 3
+
+
+def test_a_scope_flooding_images_evicts_its_own_not_another_scopes():
+    """The byte bound is shared; past it the scope holding the most bytes loses its least
+    recently used first. Key A sending image after image cannot empty key B's kept image
+    (B's next request would be slower: a cost A imposes on B), and the bound still holds."""
+    encoder, observer = _Encoder(), _Observer()
+    size = ROWS * 4 * 4 + 8
+    kept = EncodedImages(encoder, observer, max_bytes=4 * size)
+    kept.encode(_image(0), "key:b")
+    for seed in range(1, 40):  # A's flood, B's image never touched again
+        kept.encode(_image(seed), "key:a")
+        assert kept.bytes <= kept.max_bytes
+        assert kept.bytes == kept.scope_bytes("key:a") + kept.scope_bytes("key:b")
+    assert kept.scope_bytes("key:b") == size and kept.scope_bytes("key:a") == 3 * size
+    runs = encoder.runs
+    kept.encode(_image(0), "key:b")
+    assert encoder.runs == runs  # still kept
+    kept.encode(_image(39), "key:a")
+    assert encoder.runs == runs  # A's newest kept too: its oldest went
+    # A lone scope has the whole budget: a one-key server keeps as much as before.
+    alone = EncodedImages(encoder, observer, max_bytes=4 * size)
+    for seed in range(4):
+        alone.encode(_image(seed), "")
+    assert alone.kept == 4 and alone.bytes == 4 * size
+    # Several scopes at the bound: each is trimmed at most down to the largest share.
+    for seed in range(10, 14):
+        alone.encode(_image(seed), "key:c")
+    assert alone.scope_bytes("") == alone.scope_bytes("key:c") == 2 * size
 
 
 def test_image_metrics_count_encodings_and_reused_image_positions():

@@ -230,6 +230,43 @@ def test_recent_sequences_are_bounded_oldest_out():
     assert len(recent) == 1
 
 
+def test_one_scopes_flood_of_finished_requests_keeps_another_scopes_sequence():
+    """The attack: key A finishes request after request; key B's regeneration should still
+    follow B's earlier answer. With one bound for all scopes A's flood pushed B's sequence
+    out (B's speculation slower: a cost A imposes on B); each scope now keeps its own newest
+    up to the bound, and the total stays within `max_total_tokens`."""
+    mine = [1, 2, 3, 4, 5, 6]
+
+    def flooded(recent: RecentSequences) -> RecentSequences:
+        recent.add(mine, _finished(mine), "key:b")
+        for base in range(100, 1000, 10):  # A's flood, in one scope
+            seq = [base + i for i in range(8)]
+            recent.add(seq, _finished(seq), "key:a")
+        return recent
+
+    mine_again = [9, 2, 3, 4]  # "2 3 4" was followed by "5 6" in B's answer
+    assert flooded(RecentSequences(max_sequences=2, max_tokens=20)).propose(
+        mine_again, 4, "key:b"
+    ) == (3, [5, 6])
+    recent = flooded(RecentSequences(max_sequences=2, max_tokens=20, max_total_tokens=60))
+    assert recent.propose(mine_again, 4, "key:b") == (3, [5, 6])
+    assert recent.held("key:a") == 2 and recent.held("key:b") == 1
+    assert recent.propose([990, 991], 4, "key:a") == (2, [992])  # A's newest kept
+    assert recent.propose([100, 101], 4, "key:a") == (0, [])  # A's oldest gone, its own
+    # A's flood over many scopes (a cache_salt each): memory stays bounded, and the scope
+    # holding the most tokens is trimmed first: A's own, while it holds more than B.
+    for salt in range(50):
+        seq = [2000 + salt, 3000 + salt, 4000 + salt, 5000 + salt, 6000 + salt, 7000 + salt]
+        recent.add(seq, _finished(seq), f"salt:{salt}")
+        assert recent.tokens <= 60 and len(recent) <= 10
+        if salt == 7:  # 22 + 8 * 6 tokens offered: A's two sequences went, B's stayed
+            assert recent.held("key:a") == 0 and recent.held("key:b") == 1
+    # Once every scope holds as little as B, the oldest goes (B's): the bound is per scope,
+    # and a key with many salts is many scopes. B's next finished request is kept again.
+    recent.add(mine, _finished(mine), "key:b")
+    assert recent.propose(mine_again, 4, "key:b") == (3, [5, 6])
+
+
 def test_the_longer_match_guesses_whether_own_or_recent():
     spec = Speculator(SpecConfig(ngram_min=2, ngram_max=4))
     done = Request("a", [1, 2, 3, 4, 5, 6, 7], sampling(max_tokens=50))

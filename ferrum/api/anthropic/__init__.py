@@ -57,7 +57,7 @@ def add_anthropic_routes(app: FastAPI, state: ServerState) -> None:
         images = image_params(body, openai)
         lease = await acquire_chat(state, request, body.model)
         try:
-            prepared = await prepare(prepare_chat, lease.model, openai, request)
+            prepared = await prepare(state, prepare_chat, lease.model, openai, request)
         except InvalidRequest as exc:
             raise renamed(exc, images) from None
         finally:

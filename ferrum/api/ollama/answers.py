@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,6 +46,7 @@ from ferrum.api.ollama.dialect import OLLAMA
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.serving import (
     Prepared,
+    PrepareFn,
     ServerState,
     acquire,
     acquire_chat,
@@ -189,7 +190,7 @@ async def _serve(
     http: Request,
     lease: Lease[ServedModel],
     body: B,
-    prepare_fn: Callable[[ServedModel, B], Prepared],
+    prepare_fn: PrepareFn[B],
     answer: _Answer,
     images: dict[str, str],
 ) -> Response:

@@ -19,6 +19,7 @@ from ferrum.api.openai.dialect import OPENAI
 from ferrum.api.openai.embeddings import EmbeddingRequest, RerankRequest, embeddings, rerank
 from ferrum.api.serving import (
     Prepared,
+    PrepareFn,
     ServerState,
     Submission,
     acquire_chat,
@@ -133,7 +134,7 @@ async def complete(
     state: ServerState,
     http: Request,
     body: B,
-    prepare_fn: Callable[[ServedModel, B], Prepared],
+    prepare_fn: PrepareFn[B],
     lease: Lease[ServedModel],
 ) -> Any:
     """An OpenAI request served on the leased model (`serve_request`), n choices."""

@@ -118,24 +118,55 @@ class RecentSequences:
     """The n-grams of the model's latest finished requests (prompt and output), for a request
     whose own tokens match less: a regenerated answer, an agent's retry, the same document
     asked about again repeat an earlier sequence. Each keeps the tables its drafter built
-    while it ran; the oldest go first past `max_sequences` or `max_tokens` in all.
+    while it ran.
 
     A request follows only sequences of its own cache scope: its output would not change
     (every guess is verified) but its speed would, a guess from another key's answer being
-    kept faster than one computed, which would let that key's text be read back by timing."""
+    kept faster than one computed, which would let that key's text be read back by timing.
 
-    def __init__(self, max_sequences: int = 8, max_tokens: int = 16_384):
+    Bounds, per scope and in all: each scope keeps its newest sequences, at most
+    `max_sequences` and `max_tokens` of them, its oldest out first, so one key's flood of
+    finished requests replaces only its own (a shared bound would let it slow every other
+    key's speculation). Memory is bounded by `max_total_tokens` over all scopes (drafter
+    tables grow with their tokens; a scope holds at least one sequence, so this bounds the
+    number of scopes too): past it, the oldest sequence of the scope holding the most tokens
+    goes (ties: the scope whose oldest is oldest), so a scope is trimmed only while none
+    holds more. The bound is per scope, not per key: a key spreading its requests over many
+    `cache_salt`s counts as many scopes, and at equal shares the oldest sequence goes."""
+
+    def __init__(
+        self, max_sequences: int = 8, max_tokens: int = 16_384, max_total_tokens: int = 65_536
+    ):
         self._max_sequences, self._max_tokens = max_sequences, max_tokens
-        self._sequences: deque[tuple[tuple[int, ...], NgramDrafter, str]] = deque()
+        self._max_total = max_total_tokens
+        # scope → its sequences, oldest first: (when added, tokens, the drafter's tables)
+        self._scopes: dict[str, deque[tuple[int, tuple[int, ...], NgramDrafter]]] = {}
+        self._scope_tokens: dict[str, int] = {}
         self._tokens = 0
+        self._added = 0  # stamps, for the oldest among scopes
 
     def add(self, tokens: Sequence[int], drafter: NgramDrafter, scope: str) -> None:
-        if len(tokens) > self._max_tokens or self._max_sequences == 0:
+        size = len(tokens)
+        if not size or size > min(self._max_tokens, self._max_total) or not self._max_sequences:
             return
-        self._sequences.append((tuple(tokens), drafter, scope))
-        self._tokens += len(tokens)
-        while len(self._sequences) > self._max_sequences or self._tokens > self._max_tokens:
-            self._tokens -= len(self._sequences.popleft()[0])
+        self._added += 1
+        self._scopes.setdefault(scope, deque()).append((self._added, tuple(tokens), drafter))
+        self._scope_tokens[scope] = self._scope_tokens.get(scope, 0) + size
+        self._tokens += size
+        own = self._scopes[scope]
+        while len(own) > self._max_sequences or self._scope_tokens[scope] > self._max_tokens:
+            self._drop_oldest(scope)
+        while self._tokens > self._max_total:
+            most = max(self._scope_tokens.values())
+            heaviest = [s for s, n in self._scope_tokens.items() if n == most]
+            self._drop_oldest(min(heaviest, key=lambda s: self._scopes[s][0][0]))
+
+    def _drop_oldest(self, scope: str) -> None:
+        size = len(self._scopes[scope].popleft()[1])
+        self._tokens -= size
+        self._scope_tokens[scope] -= size
+        if not self._scopes[scope]:
+            del self._scopes[scope], self._scope_tokens[scope]
 
     def propose(
         self,
@@ -149,18 +180,26 @@ class RecentSequences:
         """The continuation of the longest suffix match in any of them of `scope` (the newest
         on a tie), if longer than `above`. `suffixes`: those of `tokens`, when the caller
         already has them; `shortest`: see `NgramDrafter.follow`."""
-        if not self._sequences:
+        own = self._scopes.get(scope)
+        if not own:
             return _NO_MATCH
         if suffixes is None:  # every drafter here looks up the same sizes
-            suffixes = self._sequences[0][1].suffixes(tokens)
+            suffixes = own[0][2].suffixes(tokens)
         best = _NO_MATCH
-        for source, drafter, owner in reversed(self._sequences):
-            if owner != scope:
-                continue
+        for _, source, drafter in reversed(own):
             found = drafter.follow(suffixes, source, tokens, k, shortest, max(above, best[0]))
             if found[0] > best[0] and found[1]:
                 best = found
         return best
 
     def __len__(self) -> int:
-        return len(self._sequences)
+        return sum(len(own) for own in self._scopes.values())
+
+    @property
+    def tokens(self) -> int:
+        """Tokens kept over all scopes."""
+        return self._tokens
+
+    def held(self, scope: str) -> int:
+        """How many sequences `scope` keeps."""
+        return len(self._scopes.get(scope, ()))

@@ -75,7 +75,7 @@ class SpecConfig:
     ngram_min: int = 3
     ngram_max: int = 12
     batch_max: int = 16  # draft tokens of all requests in one step
-    recent: int = 8  # finished requests kept to guess from (RecentSequences)
+    recent: int = 8  # finished requests kept to guess from, per scope (RecentSequences)
 
     @property
     def enabled(self) -> bool:
