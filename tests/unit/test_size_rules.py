@@ -44,3 +44,29 @@ def test_the_check_finds_a_long_function_and_a_long_file_anywhere_in_the_tree(tm
         f"{tmp_path / 'big.py'} ({MAX_FILE_LINES + 1} lines)",
         f"{package / 'long.py'}:1 g ({MAX_FUNCTION_LINES + 1} lines)",
     ]
+
+
+ROOT = FERRUM.parent
+MARKERS = ("<<<<<<< ", ">>>>>>> ")
+
+
+def conflict_markers(paths: list[Path]) -> list[str]:
+    """Lines that open or close a merge conflict, as `path:line`."""
+    return [
+        f"{path}:{n}"
+        for path in paths
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if line.startswith(MARKERS)
+    ]
+
+
+def test_no_merge_left_half_resolved_in_the_docs_or_code():
+    # A conflict in a Markdown table once sat on main for a session: nothing else reads it.
+    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *FERRUM.rglob("*.py")]
+    assert not conflict_markers(paths), "resolve:\n" + "\n".join(conflict_markers(paths))
+
+
+def test_the_marker_check_finds_a_conflict(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("| a |\n<<<<<<< HEAD\n| b |\n=======\n| c |\n>>>>>>> other\n")
+    assert conflict_markers([doc]) == [f"{doc}:2", f"{doc}:6"]
