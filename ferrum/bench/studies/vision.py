@@ -18,8 +18,9 @@ Per arm and round, on a fresh server after one unmeasured image request:
             ≥ 1.0×), TTFT p50.
   encoder   ms per image encoded over the round (`encode_ms`): ferrum's
             `ferrum_image_encode_seconds` histogram on /metrics; llama-server's `image slice
-            encoded in N ms` log lines (mtmd-helper, default verbosity). A server that states
-            neither gets no figure, and no `same_images_encoded` either.
+            encoded in N ms` log lines (mtmd-helper) where it prints them: the pinned build
+            does not at default verbosity. A server that states neither gets no figure, and
+            no `same_images_encoded` either.
   stall     one text-only stream decodes (ignore_eos); its inter-token p99 over ≥ 1.5 s and
             `BASELINE_GAPS` gaps, then while 8 requests with 8 new images (max_tokens 1)
             arrive at once and until the last answer: the ratio (goal ≤ 1.5).
