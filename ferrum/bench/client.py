@@ -169,13 +169,16 @@ async def probe_ignore_eos(client: httpx.AsyncClient, model: str) -> bool:
     return resp.status_code == 200
 
 
-async def stream_body(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Sample:
+async def stream_body(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], sample: Sample | None = None
+) -> Sample:
     """One streamed request of `body` as given (`stream` set) to `path`, /v1/completions or
     /v1/chat/completions, timed per chunk with text like `stream_completion`; its usage read
-    when the server sends one. A stream without text is no error here."""
+    when the server sends one. A stream without text is no error here. `sample`: filled in
+    as the stream arrives, for callers that watch its progress."""
     chat = path.endswith("/chat/completions")
     prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-    sample = Sample(prompt=str(prompt), max_tokens=int(body.get("max_tokens") or 0))
+    sample = sample or Sample(prompt=str(prompt), max_tokens=int(body.get("max_tokens") or 0))
     await _stream(client, path, body | {"stream": True}, sample, _content if chat else _text)
     return sample
 

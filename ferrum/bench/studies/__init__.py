@@ -38,6 +38,7 @@ STUDIES = {
     "router": "router",
     "lora": "lora",
     "kvtypes": "kvtypes",
+    "vision": "vision",
 }
 
 T = TypeVar("T", int, float, str, bool)
