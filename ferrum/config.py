@@ -56,6 +56,15 @@ class EngineConfig:
         default=512,
         metadata=_flag("--batch-size", "-b", help="most tokens in one llama_decode (n_batch)"),
     )
+    split_prefill: int = field(
+        default=256,
+        metadata=_flag(
+            "--split-prefill",
+            help="a step's prefill chunks of at least this many tokens decode in a llama_decode "
+            "of their own, apart from its other rows (decodes, guesses, short chunks), so their "
+            "attention skips the other sequences' cells; 0: one llama_decode a step",
+        ),
+    )
     n_predict: int = field(
         default=-1,
         metadata=_flag(

@@ -64,6 +64,7 @@ class StepResult:
     # item index → logprobs of each sampled token
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     decode_calls: int = 0
+    split_calls: int = 0  # calls made apart on purpose (a long prefill: `decode_parts.py`)
     faults_injected: int = 0  # "no KV slot" answers faked by --inject-faults
     decode_s: float = 0.0  # seconds inside llama_decode (0: not measured, as by test fakes)
     # Structured output: token masks computed (a constrained pick the grammar refused, or

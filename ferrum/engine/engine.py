@@ -198,7 +198,7 @@ class LLMEngine:
         result = self.runner.execute(items)
         if self.speculator is not None and result.decode_s > 0 and not sched.has_prefill:
             self.speculator.timed(sched.num_tokens, result.decode_s)
-        stats.decode_retries = max(0, result.decode_calls - 1)
+        stats.decode_retries = max(0, result.decode_calls - 1 - result.split_calls)
         stats.faults_injected = result.faults_injected
         stats.mask_seconds = result.mask_seconds
         now = time.monotonic()

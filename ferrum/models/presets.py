@@ -2,7 +2,7 @@
 
     [models."smollm2-135m-instruct"]
     ctx_size = 4096            # engine settings: ctx_size, parallel, batch_size,
-    parallel = 4               #   cache_type_k, cache_type_v, flash_attn
+    parallel = 4               #   split_prefill, cache_type_k, cache_type_v, flash_attn
     cache_type_k = "q8_0"
     chat_template = "chatml"   # a built-in template name or a Jinja file
     aliases = ["smol", "gpt-4o-mini"]
@@ -37,6 +37,7 @@ _ENGINE_KEYS: dict[str, type] = {
     "ctx_size": int,
     "parallel": int,
     "batch_size": int,
+    "split_prefill": int,
     "cache_type_k": str,
     "cache_type_v": str,
     "flash_attn": str,

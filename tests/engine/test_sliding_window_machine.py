@@ -83,7 +83,8 @@ class SlidingWindowMachine(EngineMachine):
     bos = BOS_ID
     path: str = ""
     alone: _Oracle | None = None  # not `oracle`: that is the base machine's method
-    kv: dict[str, str] = {}  # KV cache types and flash attention (a variant's)
+    # A variant's engine settings: KV cache types and flash attention, --split-prefill.
+    kv: dict[str, str | int] = {}
 
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
@@ -115,16 +116,16 @@ class SlidingWindowMachine(EngineMachine):
 
 def run_machine(
     machine: type[SlidingWindowMachine], path: str, max_examples: int,
-    alone: _Oracle | None = None, steps: int = 40,
+    alone: _Oracle | None = None, steps: int = 40, at_least: int = 1,
 ) -> None:  # fmt: skip
     """Runs `machine` on the model at `path` against its oracle (default: the same model
-    decoding alone)."""
+    decoding alone), `max_examples` scaled by the profile but never below `at_least`."""
     machine.path = path
     machine.alone = alone or _Oracle(path)
     try:
         case = machine.TestCase()
         case.settings = settings(
-            max_examples=examples(max_examples),
+            max_examples=max(examples(max_examples), at_least),
             stateful_step_count=steps,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -187,3 +188,39 @@ class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
 def test_sliding_window_state_machine_with_speculation(tiny_gemma3):
     run_machine(SpeculatingSlidingWindowMachine, tiny_gemma3, 40)
     assert SpeculatingSlidingWindowMachine.drafts > 0
+
+
+class Splitting:
+    """Mixed into a machine: its engine decodes prefill chunks of 4 tokens or more in a
+    llama_decode apart from the step's other rows (`decode_parts.py`; the oracle decodes
+    unsplit, its chunks never reaching the default), so most steps that prefill beside
+    decodes split. Counts the split steps: the split did happen."""
+
+    kv: dict[str, str | int] = {"split_prefill": 4}
+    splits = 0
+
+    def make_engine(self):
+        runner, engine = super().make_engine()  # type: ignore[misc]
+        execute = runner.execute
+
+        def counted(items):
+            result = execute(items)
+            type(self).splits += result.split_calls
+            return result
+
+        runner.execute = counted
+        return runner, engine
+
+
+class SplittingSlidingWindowMachine(Splitting, SpeculatingSlidingWindowMachine):
+    """Speculation with most steps split: a draft stays whole in its part, and each part's
+    rejected guesses are rolled back before the next part is placed (`speculator.py`), so
+    the window oracle holds here too."""
+
+    drafts = 0  # its own count, not the plain speculating machine's
+
+
+def test_sliding_window_state_machine_split_and_speculating(tiny_gemma3):
+    run_machine(SplittingSlidingWindowMachine, tiny_gemma3, 40)
+    assert SplittingSlidingWindowMachine.splits > 0
+    assert SplittingSlidingWindowMachine.drafts > 0

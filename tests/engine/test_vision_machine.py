@@ -26,6 +26,7 @@ from tests.engine.test_sliding_window_machine import (
     CTX,
     PARALLEL,
     SlidingWindowMachine,
+    Splitting,
     _Oracle,
     run_machine,
 )  # fmt: skip
@@ -55,7 +56,7 @@ class VisionMachine(SlidingWindowMachine):
     rows: dict[int, np.ndarray] = {}
 
     def make_engine(self):
-        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2)
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path, mmproj=self.mmproj)
         return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
 
@@ -67,11 +68,27 @@ def _stacked(ids: list[int]) -> np.ndarray:
     return np.stack([VisionMachine.rows[i] for i in ids])
 
 
-def test_vision_state_machine(tiny_llama, mmproj):
+def _images(tiny_llama: str, mmproj: str) -> _Oracle:
+    """The machines' three images set up; the oracle that decodes a prompt alone with them."""
     VisionMachine.path, VisionMachine.mmproj = tiny_llama, mmproj
     VisionMachine.rows = _rows(tiny_llama, mmproj, (1, 2, 3))
     ids = list(VisionMachine.rows)
     n = len(ids) // 3
     VisionMachine.images = tuple(ids[k * n : (k + 1) * n] for k in range(3))
-    alone = _Oracle(tiny_llama, mmproj=mmproj, spans=lambda prompt: image_spans(prompt, _stacked))
-    run_machine(VisionMachine, tiny_llama, 30, alone, steps=30)
+    return _Oracle(tiny_llama, mmproj=mmproj, spans=lambda prompt: image_spans(prompt, _stacked))
+
+
+def test_vision_state_machine(tiny_llama, mmproj):
+    run_machine(VisionMachine, tiny_llama, 30, _images(tiny_llama, mmproj), steps=30)
+
+
+class SplittingVisionMachine(Splitting, VisionMachine):
+    """The tiny llama's traffic, images among it, with most steps split (an image item's token
+    tail after its last image run counts by its own length)."""
+
+
+def test_vision_state_machine_split(tiny_llama, mmproj):
+    alone = _images(tiny_llama, mmproj)
+    # At least 6 examples: the dev profile's 2 may not run a prefill beside a decode.
+    run_machine(SplittingVisionMachine, tiny_llama, 20, alone, steps=30, at_least=6)
+    assert SplittingVisionMachine.splits > 0

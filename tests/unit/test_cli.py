@@ -38,6 +38,7 @@ def test_every_field_has_a_flag_of_its_type():
     models = _models(["-m", "a=x.gguf", "--model", "smollm2-135m-instruct", "--max-models", "2"])
     assert models.model == ("a=x.gguf", "smollm2-135m-instruct") and models.max_models == 2
     assert _models(["--models-max-bytes", "50GiB"]).models_max_bytes == "50GiB"
+    assert _configs(["--split-prefill", "0"])[0].split_prefill == 0  # off
     parsed = vars(make_parser().parse_args(["serve"]))
     for cls in (EngineConfig, ServerConfig, ModelsConfig):
         assert {f.name for f in dataclasses.fields(cls)} <= parsed.keys()
@@ -48,8 +49,9 @@ def test_environment_variables_set_defaults_and_flags_win(monkeypatch):
     monkeypatch.setenv("FERRUM_REQUEST_TIMEOUT", "7.5")
     monkeypatch.setenv("FERRUM_PUBLIC_METRICS", "yes")
     monkeypatch.setenv("FERRUM_API_KEY", "k1, k2")
+    monkeypatch.setenv("FERRUM_SPLIT_PREFILL", "64")
     engine, server = _configs([])
-    assert engine.ctx_size == 2048
+    assert engine.ctx_size == 2048 and engine.split_prefill == 64
     assert (server.request_timeout, server.public_metrics) == (7.5, True)
     assert server.api_key == ("k1", "k2")
     engine, server = _configs(["--ctx-size", "512", "--api-key", "flag"])
@@ -83,7 +85,8 @@ def test_a_bad_flag_value_is_refused_by_the_parser(capsys):
 @pytest.mark.parametrize(
     "argv",
     [["--keep-alive", "soon"], ["--max-models", "-1"], ["--memory-budget", "lots"],
-     ["--spec-recent", "-1"], ["--models-max-bytes", "lots"]],  # fmt: skip
+     ["--spec-recent", "-1"], ["--models-max-bytes", "lots"],
+     ["--split-prefill", "-1"]],  # fmt: skip
 )
 def test_a_bad_models_flag_is_one_line_and_exit_2(capsys, tmp_path, argv):
     with pytest.raises(SystemExit) as exit_:

@@ -62,6 +62,7 @@ def test_every_key_parses_with_its_type(tmp_path: Path) -> None:
         ctx_size = 8192
         parallel = 2
         batch_size = 512
+        split_prefill = 128
         chat_template = "gemma"
         aliases = ["f"]
         system = "Be brief."
@@ -83,7 +84,9 @@ def test_every_key_parses_with_its_type(tmp_path: Path) -> None:
     loaded = load_presets(path)
     full = loaded["full"]
     assert full.path == "/abs/full.gguf"
-    assert full.engine == {"ctx_size": 8192, "parallel": 2, "batch_size": 512}
+    assert full.engine == {
+        "ctx_size": 8192, "parallel": 2, "batch_size": 512, "split_prefill": 128,
+    }  # fmt: skip
     assert (full.chat_template, full.aliases, full.system) == ("gemma", ("f",), "Be brief.")
     assert full.keep_alive == -1.0  # negative: keep for good
     assert full.sampling == {

@@ -30,6 +30,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
+from ferrum.engine.llama.decode_parts import decode_parts
 from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.step_sampling import Row, sample_rows
 from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
@@ -108,6 +109,7 @@ class LlamaRunner:
         except Exception:
             self.close()
             raise
+        self._split_at = config.split_prefill
         self._fault_rate = config.inject_faults
         self._faults = random.Random(0)  # the same faults in the same traffic
         if self._fault_rate > 0:
@@ -287,14 +289,18 @@ class LlamaRunner:
         return True
 
     def execute(self, items: Sequence[BatchItem]) -> StepResult:
-        """Decodes all items in one llama_decode and samples where asked (image rows first,
-        in runs of their own: `vision.py`)."""
+        """Decodes all items, a long prefill chunk in a llama_decode of its own
+        (`decode_parts.py`), and samples where asked (image rows first, in runs of their own:
+        `vision.py`)."""
         result = StepResult()
         if any(item.embeds for item in items):
             items = self._decode_images(items, result)
         idx = [i for i, item in enumerate(items) if item.tokens and i not in result.failed]
         if idx:
-            self._decode_split(idx, items, result)
+            parts = decode_parts(idx, items, self._split_at)
+            result.split_calls = len(parts) - 1
+            for part in parts:
+                self._decode_split(part, items, result)
         return result
 
     def _decode_images(self, items: Sequence[BatchItem], result: StepResult) -> list[BatchItem]:

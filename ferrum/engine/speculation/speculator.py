@@ -41,8 +41,11 @@ it. A draft `[last, d1 … dk]` goes into one micro-batch (n_ubatch = n_batch, a
 never split inside one request's tokens), so the cells it displaces lie at or below
 `m + 1 - n_swa` for the sequence's newest position m before the step; after the rollback to
 an accepted position a ≥ m, the next token at a + 1 attends back to `a + 2 - n_swa` > that.
-The window it needs is never among what its own draft displaced. (The sliding-window state
-machine checks both the tokens and the window on tiny Gemma 3 with a window of 8.)
+The window it needs is never among what its own draft displaced. Where a step takes several
+llama_decode calls (a long prefill apart, `decode_parts.py`, or a "no KV slot" split), each
+call's rejected guesses are removed before the next call is placed, so no later micro-batch
+sees the draft's newest position. (The sliding-window state machine checks both the tokens
+and the window on tiny Gemma 3 with a window of 8, also with most steps split.)
 """
 
 from __future__ import annotations
