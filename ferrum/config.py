@@ -284,7 +284,9 @@ class ServerConfig:
         metadata=_flag(
             "--header-timeout",
             help="seconds a connection has to send a request's head, from its opening or the "
-            "head's first byte; then it is closed (slow or idle clients; 0: no limit)",
+            "head's first byte; then it is closed (slow or idle clients; 0: no limit). "
+            "ferrum serve only: Ray Serve's proxy, in front of ferrum cluster, has no such "
+            "bound (docs/cluster.md)",
         ),
     )
     shutdown_grace: float = field(
