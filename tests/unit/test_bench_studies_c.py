@@ -167,3 +167,13 @@ def test_kvtypes_pairs_ferrum_with_the_peer_at_each_type_and_with_f16():
 def test_study_knobs_are_typed(tmp_path):
     run = StudyRun("x", tmp_path, 2, 2, True, None, options={"scale": "0.2"}, hygiene=None)
     assert run.option("scale", 0.1) == 0.2
+
+
+def test_kvtypes_gives_every_client_a_slot_past_eight(tmp_path):
+    def run(clients: str | None) -> StudyRun:
+        options = {"clients": clients} if clients else {}
+        return StudyRun("kvtypes", tmp_path, 2, 2, True, None, options=options, hygiene=None)
+
+    assert kvtypes._parallel(run(None)) == "8"
+    assert kvtypes._parallel(run("1")) == "8"
+    assert kvtypes._parallel(run("32")) == "32"

@@ -2,18 +2,20 @@
 the same flags, on the default chat model.
 
 Arms `SERVER TYPE`, one server at a time: `ferrum serve --cache-type-k T --cache-type-v T
---flash-attn on --parallel 8 --ctx-size 8192` and `llama-server -ctk T -ctv T -fa on -np 8
--c 8192 --kv-unified` (`llama-server-default`: the cmake-default build). The default arms
-are every `--set types=` (default f16,q8_0,q4_0) on ferrum, then on llama-server-default;
-the first is the reference of results.md's table, and `pairs.md` (appended to it) pairs
-ferrum against llama-server at each type and each type against f16 on ferrum.
+--flash-attn on --parallel P --ctx-size 8192` and `llama-server -ctk T -ctv T -fa on -np P
+-c 8192 --kv-unified` (P: 8, or `clients` where more; `llama-server-default`: the
+cmake-default build). The default arms are every `--set types=` (default f16,q8_0,q4_0)
+on ferrum, then on llama-server-default; the first is the reference of results.md's
+table, and `pairs.md` (appended to it) pairs ferrum against llama-server at each type and
+each type against f16 on ferrum.
 
 Per arm and round, on a fresh server (after one unmeasured request):
 - prefill: one prompt of `prefill_words` words (seeded by the round, the same for every
   arm of a round), one output token: prompt tokens (the server's usage) / TTFT.
-- decode: `clients` clients (default 8) at once, each a short prompt of its own and `tokens`
-  output tokens (ignore_eos); tokens per second while every stream was decoding (from the
-  last first token to the first last token; one token a streamed chunk; `decode_rate`).
+- decode: `clients` clients (default 8, at most 64) at once, each a short prompt of its own
+  and `tokens` output tokens (ignore_eos); tokens per second while every stream was
+  decoding (from the last first token to the first last token; one token a streamed
+  chunk; `decode_rate`).
 - capacity: KV bytes per token as the server states it: ferrum's /health (the model's
   `kv_cache_bytes_total` over the cells, its `kv_cache_types` checked against the arm),
   llama-server's `llama_kv_cache: size = … MiB (N cells …)` log line (printed only at
@@ -45,7 +47,7 @@ from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 SERVERS = ("ferrum", "llama-server-default")
-PARALLEL, CTX = "8", "8192"
+PARALLEL, CTX, MAX_CLIENTS = 8, "8192", 64
 MIB = 1 << 20
 METRICS = (
     Metric("decode_tok_s", "tok/s", True, 1),
@@ -113,14 +115,15 @@ async def _measure(run: StudyRun, url: str, round_no: int) -> tuple[dict[str, fl
     """The speed metrics, and /health's answer afterwards (ferrum's KV bytes and types)."""
     clients, tokens = run.option("clients", 8), run.option("tokens", 32 if run.quick else 128)
     words = run.option("prefill_words", 300 if run.quick else 1200)
-    if not 1 <= clients <= len(WORDS):
-        raise ValueError(f"--set clients={clients}: from 1 to {len(WORDS)}")
+    if not 1 <= clients <= MAX_CLIENTS:
+        raise ValueError(f"--set clients={clients}: from 1 to {MAX_CLIENTS}")
     async with httpx.AsyncClient(base_url=url, timeout=900) as http:
         await stream_completion(http, "bench", turn("", "Say hello."), 4, Dialect())
         long = await stream_completion(http, "bench", prompt(round_no, words), 1, Dialect())
         if not long.prompt_tokens or not long.ttft_s:
             raise RuntimeError("the long prompt's usage or first token did not come back")
-        shorts = [turn("", f"Write about the {w} {round_no}.") for w in WORDS[:clients]]
+        shorts = [turn("", f"Write about the {WORDS[i % len(WORDS)]} {round_no}.{i}.")
+                  for i in range(clients)]  # fmt: skip
         samples = await asyncio.gather(
             *(stream_completion(http, "bench", p, tokens, Dialect()) for p in shorts)
         )
@@ -130,15 +133,20 @@ async def _measure(run: StudyRun, url: str, round_no: int) -> tuple[dict[str, fl
     return speed, health
 
 
+def _parallel(run: StudyRun) -> str:
+    """Decode slots: 8, or one per client where there are more."""
+    return str(max(PARALLEL, run.option("clients", PARALLEL)))
+
+
 def _ferrum(run: StudyRun, arm: str, model: str, kv: str) -> ServerProcess:
     return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
-                      "--parallel", PARALLEL, "--ctx-size", CTX, "--cache-dir",
+                      "--parallel", _parallel(run), "--ctx-size", CTX, "--cache-dir",
                       str(run.out / "kv"), *server_flags(True, kv))  # fmt: skip
 
 
 def _llama(run: StudyRun, arm: str, model: str, kv: str, *more: str) -> ServerProcess:
     flavor = "default" if arm.startswith("llama-server-default") else "same"
-    return run.llama_server(arm, model, "-np", PARALLEL, "-c", CTX, "--kv-unified",
+    return run.llama_server(arm, model, "-np", _parallel(run), "-c", CTX, "--kv-unified",
                             *server_flags(False, kv), *more, flavor=flavor)  # fmt: skip
 
 
