@@ -156,8 +156,8 @@ def _check(engine: EngineConfig, models: ModelsConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if engine.ctx_size < engine.block_size:
         raise ValueError("--ctx-size must hold at least one block")
-    if engine.split_prefill < 0:
-        raise ValueError("--split-prefill must be 0 (off) or more")
+    if engine.split_prefill < 0 or engine.prefill_cap < 0:
+        raise ValueError("--split-prefill and --prefill-cap must be 0 (off) or more")
     if not 0.0 <= engine.inject_faults <= 1.0:
         raise ValueError("--inject-faults must be between 0 and 1")
     if engine.spec_type not in ("ngram", "none"):

@@ -65,6 +65,15 @@ class EngineConfig:
             "attention skips the other sequences' cells; 0: one llama_decode a step",
         ),
     )
+    prefill_cap: int = field(
+        default=0,
+        metadata=_flag(
+            "--prefill-cap",
+            help="most prompt positions a step computes while streams decode in it, so a burst "
+            "of long prompts or images stretches their inter-token gaps less (their first "
+            "tokens come later); 0: what --batch-size leaves",
+        ),
+    )
     n_predict: int = field(
         default=-1,
         metadata=_flag(

@@ -147,17 +147,7 @@ class _Loader:
             raise
         metrics = self.metrics.for_model(spec.name)
         metrics.set_kv_types(info.cache_type_k, info.cache_type_v, info.flash_attn)
-        engine = LLMEngine(
-            runner,
-            block_size=cfg.block_size,
-            observer=metrics,
-            max_running=cfg.parallel,
-            prefix_cache=not cfg.no_prefix_cache,
-            speculation=SpecConfig.from_engine_config(cfg),
-            tiers=TierConfig.for_model(
-                cfg.cache_ram, cfg.cache_disk, cfg.cache_dir, path, info.state_format
-            ),
-        )
+        engine = _engine(runner, cfg, path, metrics)
         sampling = dict(spec.preset.sampling)
         max_tokens = int(sampling.pop("max_tokens", cfg.n_predict))
         served = ServedModel(
@@ -296,3 +286,19 @@ def build_server(
 def _store_bytes(size: str) -> int:
     """--responses-store as bytes: a size, or 0 / off for none."""
     return 0 if size.strip().lower() in ("0", "off", "none") else parse_size(size)
+
+
+def _engine(runner: LlamaRunner, cfg: EngineConfig, path: str, metrics: Any) -> LLMEngine:
+    """A chat model's engine on its runner, with the model's engine settings."""
+    return LLMEngine(
+        runner,
+        block_size=cfg.block_size,
+        observer=metrics,
+        max_running=cfg.parallel,
+        prefix_cache=not cfg.no_prefix_cache,
+        speculation=SpecConfig.from_engine_config(cfg),
+        prefill_cap=cfg.prefill_cap,
+        tiers=TierConfig.for_model(
+            cfg.cache_ram, cfg.cache_disk, cfg.cache_dir, path, runner.info.state_format
+        ),
+    )

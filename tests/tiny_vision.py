@@ -6,15 +6,31 @@ from __future__ import annotations
 
 import pathlib
 
-from ferrum.bench.vision_files import TINY, data_uri, flat_image_bytes, image_bytes, write_mmproj
+from ferrum.bench.vision_files import (
+    TINY,
+    TINY_GEMMA3,
+    Shape,
+    data_uri,
+    flat_image_bytes,
+    image_bytes,
+    write_mmproj,
+)
 from tests.tiny_models import N_EMBD
 
-__all__ = ["N_IMAGE_TOKENS", "data_uri", "flat_image_bytes", "image_bytes", "write_tiny_mmproj"]
+__all__ = [
+    "N_IMAGE_TOKENS",
+    "TINY_GEMMA3",
+    "data_uri",
+    "flat_image_bytes",
+    "image_bytes",
+    "write_tiny_mmproj",
+]
 
 SEED = 4321
 N_IMAGE_TOKENS = TINY.image_tokens
 
 
-def write_tiny_mmproj(path: pathlib.Path) -> pathlib.Path:
-    """Write the projector GGUF (architecture "clip", projector type "mlp") to `path`."""
-    return write_mmproj(pathlib.Path(path), N_EMBD, TINY, SEED, "tiny-mmproj-test")
+def write_tiny_mmproj(path: pathlib.Path, shape: Shape = TINY) -> pathlib.Path:
+    """Write the projector GGUF (architecture "clip", projector type "mlp" unless `shape`
+    says otherwise: `TINY_GEMMA3`) to `path`."""
+    return write_mmproj(pathlib.Path(path), N_EMBD, shape, SEED, "tiny-mmproj-test")

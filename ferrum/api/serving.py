@@ -257,6 +257,7 @@ def submit(
         max_tokens = model.default_max_tokens
     try:
         max_tokens = engine.clamp_max_tokens(len(prompt), max_tokens)
+        engine.check_images(prepared.images)
     except InvalidRequest as exc:  # the engine says "prompt": a chat's is its messages
         if not kind.chat:
             raise

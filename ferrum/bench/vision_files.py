@@ -47,13 +47,22 @@ class Shape:
     layers: int
     mm_hidden: int
     f16: bool = False  # the matrices in f16 (half the file; what real projectors ship)
+    kind: str = "mlp"  # or "gemma3": patches average-pooled by `merge` per side, non-causal
+    merge: int = 1
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
 
     @property
     def image_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.patches // self.merge**2
 
 
 TINY = Shape(image_size=32, patch_size=8, embd=32, heads=2, ff=64, layers=2, mm_hidden=64)
+# Gemma 3's projector type: its images are decoded with attention both ways (16 positions).
+TINY_GEMMA3 = Shape(image_size=64, patch_size=8, embd=32, heads=2, ff=64, layers=2,
+                    mm_hidden=0, kind="gemma3", merge=2)  # fmt: skip
 BENCH = Shape(image_size=224, patch_size=16, embd=384, heads=6, ff=1536, layers=6,
               mm_hidden=1024, f16=True)  # fmt: skip
 
@@ -79,6 +88,22 @@ def _block(rng: np.random.Generator, i: int, s: Shape) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _projection(rng: np.random.Generator, n_embd: int, s: Shape) -> dict[str, np.ndarray]:
+    """Into the language model's width, large enough that the image embeddings move its
+    logits visibly: llava's mm.0 - GELU - mm.2, or Gemma 3's RMS norm and one matrix."""
+    if s.kind == "gemma3":
+        return {
+            "mm.soft_emb_norm.weight": np.ones(s.embd, dtype=np.float32),
+            "mm.input_projection.weight": _normal(rng, s.embd, n_embd, std=2.0 * s.embd**-0.5),
+        }
+    return {
+        "mm.0.weight": _normal(rng, s.mm_hidden, s.embd, std=s.embd**-0.5),
+        "mm.0.bias": np.zeros(s.mm_hidden, dtype=np.float32),
+        "mm.2.weight": _normal(rng, n_embd, s.mm_hidden, std=2.0 * s.mm_hidden**-0.5),
+        "mm.2.bias": np.zeros(n_embd, dtype=np.float32),
+    }
+
+
 def tensors(n_embd: int, s: Shape, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     fan_in = 3 * s.patch_size * s.patch_size
@@ -87,15 +112,11 @@ def tensors(n_embd: int, s: Shape, seed: int) -> dict[str, np.ndarray]:
         "v.patch_embd.weight": _normal(
             rng, s.embd, 3, s.patch_size, s.patch_size, std=fan_in**-0.5
         ),  # fmt: skip
-        "v.position_embd.weight": _normal(rng, s.image_tokens, s.embd, std=0.5),
+        "v.position_embd.weight": _normal(rng, s.patches, s.embd, std=0.5),
     }
     for i in range(s.layers):
         out |= _block(rng, i, s)
-    # Large enough that the image embeddings move the language model's logits visibly.
-    out["mm.0.weight"] = _normal(rng, s.mm_hidden, s.embd, std=s.embd**-0.5)
-    out["mm.0.bias"] = np.zeros(s.mm_hidden, dtype=np.float32)
-    out["mm.2.weight"] = _normal(rng, n_embd, s.mm_hidden, std=2.0 * s.mm_hidden**-0.5)
-    out["mm.2.bias"] = np.zeros(n_embd, dtype=np.float32)
+    out |= _projection(rng, n_embd, s)
     if s.f16:  # matrices only: norms, biases and position embeddings stay f32, as in real files
         out = {k: v.astype(np.float16) if v.ndim >= 2 and "position" not in k else v
                for k, v in out.items()}  # fmt: skip
@@ -103,13 +124,15 @@ def tensors(n_embd: int, s: Shape, seed: int) -> dict[str, np.ndarray]:
 
 
 def write_mmproj(path: Path, n_embd: int, s: Shape, seed: int, name: str) -> Path:
-    """Write a projector GGUF (architecture "clip", projector type "mlp") into `n_embd`."""
+    """Write a projector GGUF (architecture "clip", projector type `s.kind`) into `n_embd`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, "clip")
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if s.f16 else gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "mlp")
+    writer.add_string("clip.projector_type", s.kind)
+    if s.merge > 1:
+        writer.add_uint32("clip.vision.projector.scale_factor", s.merge)
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.image_size", s.image_size)

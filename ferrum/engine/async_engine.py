@@ -155,6 +155,10 @@ class AsyncEngine:
         """The engine's length rule (pure: safe on the event loop)."""
         return self.core.clamp_max_tokens(num_prompt_tokens, max_tokens)
 
+    def check_images(self, images: tuple[ImageSpan, ...]) -> None:
+        """Refuses (400) an image too long for one step where images go whole (pure)."""
+        self.core.check_images(images)
+
     def check_capacity(self, n: int) -> None:
         """Refuses (429) n more requests when the queue beyond --parallel is full."""
         if not self.alive or self._stopping:

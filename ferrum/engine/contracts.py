@@ -101,6 +101,8 @@ class ModelInfo:
     flash_attn: str = "auto"
     kv_bytes_per_cell: int = 0
     vision: bool = False  # a projector is loaded: prompts may hold images
+    # Its images attend to each other both ways (Gemma 3): each goes whole into one decode.
+    images_whole: bool = False
 
 
 class Vocabulary(Protocol):

@@ -53,6 +53,7 @@ class LLMEngine:
         speculation: SpecConfig | None = None,
         drafter: Callable[[SpecConfig], Drafter] | None = None,
         tiers: TierConfig | None = None,
+        prefill_cap: int = 0,
     ):
         info = runner.info
         self.runner = runner
@@ -72,6 +73,8 @@ class LLMEngine:
             max_running=max_running or info.n_seq_max,
             token_budget=info.n_batch,
             speculator=self.speculator,
+            prefill_cap=prefill_cap,
+            whole_images=info.images_whole,
         )
         self.observer = observer or EngineObserver()
         self._live: dict[str, _RequestState] = {}
@@ -119,6 +122,7 @@ class LLMEngine:
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
         self.adapters.check(params.adapters)
+        self.check_images(images)
         request = Request(request_id, list(prompt_token_ids), params, images=images)
         self.runner.start_request(request_id, params)
         text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
@@ -128,6 +132,18 @@ class LLMEngine:
         live.pending = self._new_output(live)
         self._live[request_id] = live
         self.scheduler.add(request)
+
+    def check_images(self, images: tuple[ImageSpan, ...]) -> None:
+        """InvalidRequest for an image that cannot fit one step where images go whole.
+        Pure: safe to call from any thread."""
+        room = self.scheduler.image_room()
+        longest = max((span.end - span.start for span in images), default=0)
+        if images and room is not None and longest > room:
+            raise InvalidRequest(
+                f"an image of {longest} positions does not fit one step of this model "
+                f"({room} with --batch-size {self.info.n_batch} and --parallel "
+                f"{self.scheduler.max_running}); its projector decodes each image whole"
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         live = self._live.get(request_id)

@@ -7,7 +7,16 @@ the process inside llama.cpp):
       running requests, oldest first,   running prefills        newly admitted (fair)
       one token each                    continue
 
-Decodes go first so a long prompt never stalls running streams; prefills take what is left.
+Decodes go first so a long prompt never stalls running streams; prefills take what is left,
+or at most `prefill_cap` positions while streams decode in the step (`--prefill-cap`): a step
+costs about its positions, so the cap bounds how far a burst of long prompts or images
+stretches the streams' inter-token gaps, and the prompts' first tokens come later for it.
+
+Images (`Request.images`): a chunk may end inside an image whose rows attend to each other
+in one direction (each row sees those before it, in this step or an earlier one). Where they
+attend both ways (Gemma 3's projector: `whole_images`), a chunk ends before the image
+instead and the image goes whole into a later step, past the cap if it is that step's first
+prompt chunk; `image_room` bounds an image so it always fits a step beside the decodes.
 
 Memory (through `KVManager`): admission reserves KV blocks for everything the request has so
 far, minus what it reuses from a resident prefix; each decode grows its page table on demand.
@@ -80,6 +89,21 @@ class SchedulerOutput:
         return any(c.length > 1 for c in self.chunks)
 
 
+@dataclass(slots=True)
+class _Budget:
+    """Positions a step has left: `total` under n_batch, `prefill` of them for prompts (the
+    cap while streams decode, else all of `total`)."""
+
+    total: int
+    prefill: int
+    taken: int = 0  # prompt positions given out so far
+
+    def take(self, n: int) -> None:
+        self.total -= n
+        self.prefill = max(0, self.prefill - n)
+        self.taken += n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -89,15 +113,19 @@ class Scheduler:
         watermark: float = 0.01,
         speculator: Speculator | None = None,
         fairness: FairShare | None = None,
+        prefill_cap: int = 0,
+        whole_images: bool = False,
     ):
-        if max_running <= 0 or token_budget <= 0:
-            raise ValueError("max_running and token_budget must be positive")
+        if max_running <= 0 or token_budget <= 0 or prefill_cap < 0:
+            raise ValueError("max_running and token_budget must be positive, prefill_cap ≥ 0")
         self.kv = kv
         self.speculator = speculator
         self.fairness = fairness or FairShare()
         self.blocks = kv.blocks
         self.max_running = max_running
         self.token_budget = token_budget
+        self.prefill_cap = prefill_cap  # prompt positions a step takes beside decodes (0: all)
+        self.whole_images = whole_images  # an image's rows go into one step, never split
         self._watermark = int(kv.blocks.num_blocks * watermark)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -109,6 +137,15 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+
+    def image_room(self) -> int | None:
+        """The most positions an image may take where images go whole: a step's budget less
+        a decode for every other slot and the drafts (so it always fits a step in time);
+        None where images may be split."""
+        if not self.whole_images:
+            return None
+        drafts = self.speculator.config.batch_max if self.speculator is not None else 0
+        return self.token_budget - (self.max_running - 1) - drafts
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request wherever it is; its KV is parked for reuse unless it failed."""
@@ -148,10 +185,11 @@ class Scheduler:
 
     def _schedule_set(self, out: SchedulerOutput, turn: AdapterSet) -> None:
         """The step for the requests of one adapter set (`turn`)."""
-        budget = self.token_budget
         sitting_out = self._fast_lane(turn)
-        budget = self._schedule_decodes(out, budget, sitting_out, turn)
-        budget = self._schedule_running_prefills(out, budget, sitting_out, turn)
+        left = self._schedule_decodes(out, self.token_budget, sitting_out, turn)
+        capped = self.prefill_cap > 0 and bool(out.chunks)  # streams decode in this step
+        budget = _Budget(left, min(left, self.prefill_cap) if capped else left)
+        self._schedule_running_prefills(out, budget, sitting_out, turn)
         self._admit(out, budget, turn)
 
     def _fast_lane(self, turn: AdapterSet) -> frozenset[str]:
@@ -208,27 +246,39 @@ class Scheduler:
         return placed
 
     def _schedule_running_prefills(
-        self, out: SchedulerOutput, budget: int, sitting_out: frozenset[str], turn: AdapterSet
-    ) -> int:
+        self, out: SchedulerOutput, budget: _Budget, sitting_out: frozenset[str], turn: AdapterSet
+    ) -> None:
         for req in self.running:
             remaining = req.num_tokens - req.num_computed_tokens
-            if budget == 0:
+            if budget.prefill == 0:
                 break
             if remaining <= 1 or req.params.tenant in sitting_out or req.adapters != turn:
                 continue
-            n = min(remaining, budget)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
-        return budget
+            self._prefill_chunk(out, req, budget)
+
+    def _prefill_chunk(self, out: SchedulerOutput, req: Request, budget: _Budget) -> None:
+        """The step's chunk of req's prompt: what `budget.prefill` allows, cut back to an
+        image's start rather than inside it where images go whole. An image that alone passes
+        the cap still goes, whole, as a step's first prompt chunk (else it would never go)."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget.prefill)
+        if self.whole_images:
+            span = next((s for s in req.images if s.start < start + n < s.end), None)
+            if span is not None:
+                fits = span.start == start and span.end - start <= budget.total
+                n = span.end - start if fits and not budget.taken else span.start - start
+        if n > 0:
+            out.chunks.append(ScheduledChunk(req, start, n))
+            budget.take(n)
 
     def _share_out(self, out: SchedulerOutput) -> None:
         """Slots for waiting tenants below their fair share, taken from those above it."""
         for victim in self.fairness.victims(self.waiting, self.running, self.max_running):
             self._preempt(victim, out, park=True)
 
-    def _admit(self, out: SchedulerOutput, budget: int, turn: AdapterSet) -> None:
+    def _admit(self, out: SchedulerOutput, budget: _Budget, turn: AdapterSet) -> None:
         passed: set[int] = set()  # ids of requests whose donor is computing their prefix
-        while budget > 0 and len(self.running) < self.max_running:
+        while budget.prefill > 0 and len(self.running) < self.max_running:
             candidates = [r for r in self.waiting if id(r) not in passed and r.adapters == turn]
             if not candidates:
                 break
@@ -239,9 +289,7 @@ class Scheduler:
                 continue
             if not self._admit_one(req, reuse):
                 break  # in order: later requests wait behind one that does not fit
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            self._prefill_chunk(out, req, budget)
 
     def _admit_one(self, req: Request, reuse: Reuse) -> bool:
         """Moves `req` from waiting to running on the blocks `reuse` planned; False when they

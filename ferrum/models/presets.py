@@ -2,7 +2,8 @@
 
     [models."smollm2-135m-instruct"]
     ctx_size = 4096            # engine settings: ctx_size, parallel, batch_size,
-    parallel = 4               #   split_prefill, cache_type_k, cache_type_v, flash_attn
+    parallel = 4               #   split_prefill, prefill_cap, cache_type_k,
+                               #   cache_type_v, flash_attn
     cache_type_k = "q8_0"
     chat_template = "chatml"   # a built-in template name or a Jinja file
     aliases = ["smol", "gpt-4o-mini"]
@@ -38,6 +39,7 @@ _ENGINE_KEYS: dict[str, type] = {
     "parallel": int,
     "batch_size": int,
     "split_prefill": int,
+    "prefill_cap": int,
     "cache_type_k": str,
     "cache_type_v": str,
     "flash_attn": str,

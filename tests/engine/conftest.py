@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
 from ferrum.server import build_server
 from tests.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mamba
-from tests.tiny_vision import write_tiny_mmproj
+from tests.tiny_vision import TINY_GEMMA3, write_tiny_mmproj
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,13 @@ def tiny_llama(tmp_path_factory) -> str:
 def mmproj(tmp_path_factory) -> str:
     """The tiny projector of `tiny_vision.py`, which pairs with `tiny_llama`."""
     return str(write_tiny_mmproj(tmp_path_factory.mktemp("vision") / "mmproj.gguf"))
+
+
+@pytest.fixture(scope="session")
+def mmproj_gemma3(tmp_path_factory) -> str:
+    """A tiny projector of Gemma 3's type: its images are decoded with attention both ways."""
+    path = tmp_path_factory.mktemp("vision") / "mmproj-gemma3.gguf"
+    return str(write_tiny_mmproj(path, TINY_GEMMA3))
 
 
 @pytest.fixture(scope="session")

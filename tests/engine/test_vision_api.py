@@ -114,3 +114,28 @@ def test_the_same_image_again_reuses_its_encoding_and_its_kv_and_metrics_say_so(
     assert cached == usage["prompt_tokens"] - 1  # all but the last token, image and all
     assert moved["ferrum_image_tokens_reused_total"] == N_IMAGE_TOKENS
     assert _metric(client, "ferrum_images_encoded_total", model="text") == 0
+
+
+def test_an_image_too_long_for_one_step_is_a_400_naming_the_messages(
+    tiny_llama, mmproj_gemma3, tmp_path
+):
+    """Gemma 3's kind of projector decodes an image whole; with 8 slots in a 20-position
+    step, its 16 rows cannot fit beside the other slots' decodes: refused before any decode,
+    and the server goes on serving."""
+    from fastapi.testclient import TestClient
+
+    from ferrum.config import EngineConfig, ModelsConfig, ServerConfig
+    from ferrum.server import build_server
+
+    engine_cfg = EngineConfig(ctx_size=512, parallel=8, batch_size=20, threads=2,
+                              cache_ram=0, cache_disk=0)  # fmt: skip
+    models = ModelsConfig(model=(f"eye={tiny_llama}",), models_dir=str(tmp_path),
+                          mmproj=(f"eye={mmproj_gemma3}",))  # fmt: skip
+    with TestClient(build_server(engine_cfg, ServerConfig(port=9999), models)[0]) as client:
+        r = _chat(client, _png(1))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and "does not fit one step" in error["message"]
+        body = {"model": "eye", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        ok = client.post("/v1/chat/completions", json=body)
+        assert ok.status_code == 200, ok.text

@@ -2,7 +2,9 @@
 
 Oracles: ferrum's greedy tokens equal those of llama.cpp's own `mtmd_helper_eval_chunks` on a
 fresh context; batched with text requests equals alone; another image (or one pixel) changes
-what the model sees. Reuse of an image's KV: `test_vision_reuse.py`.
+what the model sees. Each with a causal projector and with one of Gemma 3's type, whose
+images attend to each other both ways and so must never be cut between steps. Reuse of an
+image's KV: `test_vision_reuse.py`.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import ctypes
 
 import llama_cpp as ll
 import numpy as np
+import pytest
 from llama_cpp import mtmd_cpp as mt
 
 from ferrum.api.prompting.images import splice
 from ferrum.engine.contracts import RgbImage
 from ferrum.engine.request import ImageSpan
+from ferrum.errors import InvalidRequest
 from tests.factories import llama_engine, run_to_completion, sampling
 from tests.tiny_vision import N_IMAGE_TOKENS
 
@@ -92,11 +96,50 @@ def _helper_greedy(model_path: str, mmproj: str, image: RgbImage) -> list[int]:
         ll.llama_model_free(model)
 
 
-def test_image_request_equals_llama_cpps_own_helper(tiny_llama, mmproj):
+@pytest.fixture(params=["mlp", "gemma3"])
+def projector(request, mmproj, mmproj_gemma3) -> str:
+    """Both kinds of image decode: causal (llava's mlp) and attention both ways (Gemma 3)."""
+    return mmproj if request.param == "mlp" else mmproj_gemma3
+
+
+def test_image_request_equals_llama_cpps_own_helper(tiny_llama, projector):
     image = _image(1)
-    with llama_engine(tiny_llama, mmproj=mmproj) as engine:
+    with llama_engine(tiny_llama, mmproj=projector) as engine:
         ours = _run(engine, {"a": image})["a"]
-    assert ours == _helper_greedy(tiny_llama, mmproj, image)
+    assert ours == _helper_greedy(tiny_llama, projector, image)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_non_causal_image_is_decoded_whole(tiny_llama, mmproj_gemma3, whole):
+    """A 20-position budget would end the first chunk 8 rows into the image: the scheduler
+    cuts before it instead and decodes it whole in the next step, giving llama.cpp's own
+    logits. The oracle's teeth: cut inside (the old scheduler), the image's first rows
+    never see its last ones and the first token's log-probabilities move."""
+    image = _image(1)
+    params = sampling(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5)
+    with llama_engine(tiny_llama, mmproj=mmproj_gemma3, parallel=1, batch=64) as engine:
+        prompt, spans = _prompt(engine, image)
+        engine.add_request("wide", prompt, params, images=spans)
+        wide = run_to_completion(engine)["wide"]
+    assert spans[0].start < 20 < spans[0].end  # where a 20-position budget would cut
+    with llama_engine(tiny_llama, mmproj=mmproj_gemma3, parallel=1, batch=20) as engine:
+        assert engine.runner.info.images_whole
+        engine.scheduler.whole_images = whole
+        engine.add_request("narrow", prompt, params, images=spans)
+        narrow = run_to_completion(engine)["narrow"]
+    first = [lp for _, lp in narrow["logprobs"][0].top]
+    same = first == pytest.approx([lp for _, lp in wide["logprobs"][0].top], abs=1e-4)
+    assert same is whole
+
+
+def test_an_image_longer_than_a_step_is_refused_by_name(tiny_llama, mmproj_gemma3):
+    """Where images go whole, one that cannot fit a step beside the other slots' decodes
+    is a 400, never a request that waits for ever."""
+    with llama_engine(tiny_llama, mmproj=mmproj_gemma3, parallel=8, batch=20) as engine:
+        prompt, spans = _prompt(engine, _image(1))
+        with pytest.raises(InvalidRequest, match="does not fit one step"):
+            engine.add_request("a", prompt, sampling(), images=spans)
+        assert not engine.has_work
 
 
 def test_the_image_is_seen_not_its_placeholders(tiny_llama, mmproj):
@@ -113,10 +156,11 @@ def test_the_image_is_seen_not_its_placeholders(tiny_llama, mmproj):
     assert seen != blind
 
 
-def test_batched_with_text_and_images_equals_alone(tiny_llama, mmproj):
-    # batch 64 < 3 prompts of ~24 positions: prefill chunks cut through the images
+def test_batched_with_text_and_images_equals_alone(tiny_llama, projector):
+    # batch 32 < 3 prompts of ~24 positions: prefill chunks cut through the images (before
+    # them where images go whole)
     requests = {"t0": None, "i1": _image(1), "t2": None, "i3": _image(3), "i4": _image(4)}
-    with llama_engine(tiny_llama, mmproj=mmproj, batch=32) as engine:
+    with llama_engine(tiny_llama, mmproj=projector, batch=32) as engine:
         together = _run(engine, requests)
         alone = {rid: _run(engine, {rid: image})[rid] for rid, image in requests.items()}
     assert together == alone

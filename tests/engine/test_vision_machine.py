@@ -19,7 +19,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.contracts import RgbImage
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.llama.runner import LlamaRunner
-from ferrum.engine.request import image_token_ids
+from ferrum.engine.request import ImageSpan, image_token_ids
 from tests.engine.test_sliding_window_machine import (
     BATCH,
     BLOCK,
@@ -92,3 +92,59 @@ def test_vision_state_machine_split(tiny_llama, mmproj):
     # At least 6 examples: the dev profile's 2 may not run a prefill beside a decode.
     run_machine(SplittingVisionMachine, tiny_llama, 20, alone, steps=30, at_least=6)
     assert SplittingVisionMachine.splits > 0
+
+
+def _whole(prompt: list[int]) -> list[int]:
+    """The prompt with every part of an image that is not a whole image left out: prompts
+    from the API hold whole images only, and under attention both ways the first rows of a
+    part would differ from the same rows of the whole (here they would share its ids)."""
+    out, i = [], 0
+    while i < len(prompt):
+        image = next((m for m in VisionMachine.images if prompt[i : i + len(m)] == m), None)
+        if image is not None:
+            out += image
+            i += len(image)
+        else:
+            out += [prompt[i]] if prompt[i] >= 0 else []
+            i += 1
+    return out
+
+
+def _whole_spans(prompt: list[int]) -> tuple[ImageSpan, ...]:
+    """Each image its own span, even side by side (the API splices them so)."""
+    out, i = [], 0
+    while i < len(prompt):
+        image = next((m for m in VisionMachine.images if prompt[i : i + len(m)] == m), None)
+        if image is None:
+            assert prompt[i] >= 0, "a part of an image"
+            i += 1
+            continue
+        out.append(ImageSpan(i, _stacked(image)))
+        i += len(image)
+    return tuple(out)
+
+
+class WholeImagesCappedMachine(VisionMachine):
+    """A projector of Gemma 3's type (its images attend both ways, so each is decoded whole,
+    never cut between steps) and a prefill cap of 5 positions beside the decodes: images
+    pass the cap alone, text waits behind them. Prompts hold whole images only."""
+
+    def _draw_prompt(self, data):
+        prompt, like = super()._draw_prompt(data)
+        return _whole(prompt) or [self.bos], like
+
+    def spans(self, prompt: list[int]) -> tuple[ImageSpan, ...]:
+        return _whole_spans(prompt)
+
+    def make_engine(self):
+        cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
+        runner = LlamaRunner(cfg, self.path, mmproj=self.mmproj)
+        engine = LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL, prefill_cap=5)
+        assert engine.scheduler.whole_images
+        return runner, engine
+
+
+def test_vision_state_machine_whole_images_capped(tiny_llama, mmproj_gemma3):
+    _images(tiny_llama, mmproj_gemma3)
+    alone = _Oracle(tiny_llama, mmproj=mmproj_gemma3, spans=_whole_spans)
+    run_machine(WholeImagesCappedMachine, tiny_llama, 20, alone, steps=30)

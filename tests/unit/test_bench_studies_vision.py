@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image
 
 from ferrum.bench import vision_files
 from ferrum.bench.client import Sample
-from ferrum.bench.studies import load, vision
+from ferrum.bench.studies import StudyRun, load, vision
 from ferrum.bench.vision_files import BENCH, TINY
 from tests.tiny_models import write_tiny_llama
 
@@ -23,6 +24,13 @@ def test_the_study_is_registered_with_ferrum_first():
     study = load("vision")
     assert study.name == "vision" and study.arms == ("ferrum", "llama-server-default")
     assert {m.key for m in study.metrics} >= {"same_ttft_p50", "distinct_tok_s", "stall_ratio"}
+
+
+def test_the_capped_arm_passes_its_prefill_cap_and_the_plain_one_none(tmp_path):
+    run = StudyRun("vision", tmp_path, 2, 2, False, None, options={"cap": "8"})
+    assert vision._capped(run, "ferrum capped") == ("--prefill-cap", "8")
+    assert vision._capped(run, "ferrum") == ()
+    assert vision._capped(replace(run, options={}), "ferrum capped")[1] == "16"
 
 
 def test_chat_bodies_put_the_image_first_and_run_to_max_tokens():

@@ -25,6 +25,9 @@ Per arm and round, on a fresh server after one unmeasured image request:
             `BASELINE_GAPS` gaps, then while 8 requests with 8 new images (max_tokens 1)
             arrive at once and until the last answer: the ratio (goal ≤ 1.5).
 
+The arm "ferrum capped" runs ferrum with `--prefill-cap` (`--set cap=N`, 16): the same
+measurements with a step's prompt positions capped while streams decode.
+
     ferrum bench --study vision [--quick] [--rounds 4] [--set tokens=64] [--arms ...]
 """
 
@@ -206,11 +209,18 @@ async def _measure(server: ServerProcess, ferrum: bool, round_no: int, tokens: i
     return got
 
 
+def _capped(run: StudyRun, arm: str) -> tuple[str, ...]:
+    """ "ferrum capped": `--prefill-cap` from `--set cap=N` (16 positions)."""
+    if arm.split()[1:] == ["capped"]:
+        return ("--prefill-cap", str(run.option("cap", 16)))
+    return ()
+
+
 def _server(run: StudyRun, arm: str, model: str, mmproj: str) -> ServerProcess:
     if run.is_ferrum(arm):
         return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"{MODEL}={model}",
                           "--mmproj", mmproj, "--parallel", str(PARALLEL), "--ctx-size",
-                          str(CTX), "--cache-disk", "0")  # fmt: skip
+                          str(CTX), "--cache-disk", "0", *_capped(run, arm))  # fmt: skip
     if arm not in LLAMA_SERVER_FLAVORS:
         raise ValueError(f"arm {arm!r}: expected ferrum, a --tree, or one of "
                          f"{', '.join(LLAMA_SERVER_FLAVORS)}")  # fmt: skip
@@ -275,7 +285,8 @@ def main(run: StudyRun) -> int:
     code = run_study(replace(run, arms=chosen), replace(STUDY, measure=measure, main=None))
     records = json.loads((run.out / "rounds.json").read_text())["records"]
     peers = [a for a in chosen if not run.is_ferrum(a)]
-    table = goals(records, chosen[0], peers[0] if peers else None)
+    ours = [a for a in chosen if run.is_ferrum(a)] or chosen[:1]
+    table = "\n".join(goals(records, arm, peers[0] if peers else None) for arm in ours)
     with open(run.out / "results.md", "a") as md:
         md.write(f"\n## Goals (issue #45)\n\n{table}")
     print(f"\n{table}", end="")

@@ -234,6 +234,7 @@ class LlamaRunner:
             flash_attn=flash_attn,
             kv_bytes_per_cell=kv_bytes_per_cell,
             vision=self._projector is not None,
+            images_whole=self._projector is not None and self._projector.non_causal,
         )
 
     # -- requests -------------------------------------------------------------------------
