@@ -86,7 +86,7 @@ def test_a_bad_flag_value_is_refused_by_the_parser(capsys):
     "argv",
     [["--keep-alive", "soon"], ["--max-models", "-1"], ["--memory-budget", "lots"],
      ["--spec-recent", "-1"], ["--models-max-bytes", "lots"],
-     ["--split-prefill", "-1"]],  # fmt: skip
+     ["--split-prefill", "-1"], ["--prefill-cap", "-1"]],  # fmt: skip
 )
 def test_a_bad_models_flag_is_one_line_and_exit_2(capsys, tmp_path, argv):
     with pytest.raises(SystemExit) as exit_:
