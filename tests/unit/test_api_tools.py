@@ -153,7 +153,7 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(extra, param):
         {"type": "object", "required": "a"},
         {"type": "string", "pattern": "(unclosed"},
         {"type": "array", "uniqueItems": True},  # not enforceable
-        {"not": {"type": "string"}},  # not enforceable
+        {"not": {"type": "integer"}},  # not enforceable: a number that is not whole
     ],
 )
 def test_a_bad_or_unenforceable_schema_is_a_400_naming_it(schema):
@@ -162,3 +162,14 @@ def test_a_bad_or_unenforceable_schema_is_a_400_naming_it(schema):
         r = client.post("/v1/chat/completions", json=_chat(response_format=fmt))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_an_unenforceable_keyword_is_named_with_its_place_in_the_schema():
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with TestClient(fake_app()) as client:
+        r = client.post("/v1/chat/completions", json=_chat(response_format=fmt))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("response_format.json_schema.schema.properties.tags: "), message
+    assert "uniqueItems" in message

@@ -22,13 +22,18 @@ from ferrum.bench.schema_corpus import generate
 from tests.factories import EOS, FakeRunner, fake_app
 
 HI = [{"role": "user", "content": "hi"}]
-# Keywords llguidance cannot enforce: a schema with one is refused, naming it.
+# Keywords llguidance cannot enforce: a schema with one is refused, naming it; except `not`
+# of a type other than "integer", which ferrum rewrites exactly (schema_rewrites.py).
 UNENFORCEABLE = ("uniqueItems", "not", "contains", "if", "dependentSchemas")
+REWRITTEN_NOT = ("null", "string", "boolean", "object", "array", "number")
 
 
 def _keywords(node: Any) -> set[str]:
     if isinstance(node, dict):
-        return set(node) | {k for v in node.values() for k in _keywords(v)}
+        own = set(node)
+        if node.get("not") in [{"type": t} for t in REWRITTEN_NOT]:
+            own.discard("not")
+        return own | {k for v in node.values() for k in _keywords(v)}
     if isinstance(node, list):
         return {k for v in node for k in _keywords(v)}
     return set()

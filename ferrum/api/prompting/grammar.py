@@ -16,9 +16,12 @@ as llguidance grammars (`ferrum/engine/constraint.py`):
 
 Any failure is a 400 naming the parameter and what failed. A JSON schema is checked first for
 what it may cost (schema_limits.py) and against the draft 2020-12 metaschema; keywords that
-only annotate (unknown ones included, as JSON Schema says) are ignored, and one llguidance
-cannot honour (`not`, `uniqueItems`, …) is refused by name rather than accepted and not
-enforced: a client that sends it would otherwise get output that breaks its schema.
+only annotate (unknown ones included, as JSON Schema says) are ignored; those llguidance does
+not implement are rewritten into ones it does where the meaning is kept whole
+(schema_rewrites.py: `not` of types, `uniqueItems` that cannot matter), and any other it
+cannot honour (`uniqueItems` over longer arrays, `contains`, …) is refused by name and place
+rather than accepted and not enforced: a client that sends it would otherwise get output
+that breaks its schema.
 
 Agents send the same schemas again and again: `GrammarBuilder` keeps the grammar text of each
 request field it built (bounded by count and by bytes, least recently used out), and the
@@ -38,6 +41,7 @@ import jsonschema_rs
 from ferrum.api.openai.bodies import ResponseFormat, StructuredRequest
 from ferrum.api.prompting.schema_limits import check_counts, check_size
 from ferrum.api.prompting.schema_recursion import unbounded_ref
+from ferrum.api.prompting.schema_rewrites import keyword_path, rewritten
 from ferrum.api.prompting.tool_calls import ToolFormat
 from ferrum.api.prompting.tool_request import Function, ToolRequest
 from ferrum.engine.constraint import lark_json, refusal_reason, to_grammar
@@ -157,7 +161,20 @@ class GrammarBuilder:
 
         def build() -> str:
             check_schema(schema, param)
-            return to_grammar("json_schema", schema)
+            grammar = to_grammar("json_schema", rewritten(schema))
+            try:
+                self._vocab.check_grammar(grammar)
+            except ValueError as exc:  # a keyword it cannot honour is named with its place
+                where = keyword_path(schema, str(exc))
+                if where is None:
+                    raise
+                raise GrammarRefused(
+                    f"{param}{where}: {exc}: the constraint engine cannot enforce it, so the "
+                    "schema is refused rather than the keyword ignored",
+                    param=param,
+                    reason=refusal_reason(exc),
+                ) from exc
+            return grammar
 
         return self._kept_or_built(_key("schema", schema), build, param)
 
