@@ -118,6 +118,9 @@ def test_kvtypes_arms_flags_and_names():
         "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--flash-attn", "on",
     ]  # fmt: skip
     assert kvtypes.server_flags(False, "q4_0") == ["-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on"]
+    assert kvtypes.parse_arm("ferrum none f16") == ("ferrum none", "f16")
+    assert kvtypes.server_flags(True, "f16", "ferrum none")[-2:] == ["--spec-type", "none"]
+    assert "--spec-type" not in kvtypes.server_flags(True, "f16", "ferrum")
 
 
 def test_kvtypes_reads_llama_servers_kv_line_and_counts_conversations():

@@ -23,6 +23,9 @@ Per arm and round, on a fresh server (after one unmeasured request):
   conversations of `conv_tokens` tokens (default 1,000) fit in `budget_mib` MiB of KV
   (default 256): arithmetic on the measured figure, not a residency test.
 
+An arm `ferrum none TYPE` is ferrum with speculation off (`--spec-type none`), as
+llama-server runs by default.
+
     ferrum bench --study kvtypes [--rounds 4] [--set types=f16,q8_0] [--set clients=8]
 """
 
@@ -73,9 +76,11 @@ def arms(types: str) -> list[str]:
     return [f"{server} {kv}" for server in SERVERS for kv in kinds]
 
 
-def server_flags(ferrum: bool, kv: str) -> list[str]:
+def server_flags(ferrum: bool, kv: str, server: str = "ferrum") -> list[str]:
+    """The KV flags; a ferrum arm "ferrum none TYPE" also turns speculation off."""
     if ferrum:
-        return ["--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on"]
+        spec = ["--spec-type", "none"] if server.split()[1:] == ["none"] else []
+        return ["--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on", *spec]
     return ["-ctk", kv, "-ctv", kv, "-fa", "on"]
 
 
@@ -141,7 +146,7 @@ def _parallel(run: StudyRun) -> str:
 def _ferrum(run: StudyRun, arm: str, model: str, kv: str) -> ServerProcess:
     return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
                       "--parallel", _parallel(run), "--ctx-size", CTX, "--cache-dir",
-                      str(run.out / "kv"), *server_flags(True, kv))  # fmt: skip
+                      str(run.out / "kv"), *server_flags(True, kv, parse_arm(arm)[0]))  # fmt: skip
 
 
 def _llama(run: StudyRun, arm: str, model: str, kv: str, *more: str) -> ServerProcess:
