@@ -18,9 +18,7 @@ import asyncio
 import random
 import statistics
 
-import httpx
-
-from ferrum.bench.client import Dialect, stream_completion
+from ferrum.bench.client import Dialect, http_client, stream_completion
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
 from ferrum.models.builtin import BENCH_MODEL, builtin_path
@@ -39,7 +37,7 @@ def prompts(seed: int) -> list[str]:
 
 
 async def _burst(url: str, seed: int) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+    async with http_client(url, timeout=300) as http:
         samples = await asyncio.gather(
             *(stream_completion(http, "bench", p, TOKENS, Dialect()) for p in prompts(seed))
         )

@@ -37,9 +37,7 @@ import shutil
 from dataclasses import replace
 from typing import Any
 
-import httpx
-
-from ferrum.bench.client import Dialect, Sample, stream_completion
+from ferrum.bench.client import Dialect, Sample, http_client, stream_completion
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric, per_round
 from ferrum.bench.stats import Spread, paired_ratio, verdict
@@ -122,7 +120,7 @@ async def _measure(run: StudyRun, url: str, round_no: int) -> tuple[dict[str, fl
     words = run.option("prefill_words", 300 if run.quick else 1200)
     if not 1 <= clients <= MAX_CLIENTS:
         raise ValueError(f"--set clients={clients}: from 1 to {MAX_CLIENTS}")
-    async with httpx.AsyncClient(base_url=url, timeout=900) as http:
+    async with http_client(url, timeout=900) as http:
         await stream_completion(http, "bench", turn("", "Say hello."), 4, Dialect())
         long = await stream_completion(http, "bench", prompt(round_no, words), 1, Dialect())
         if not long.prompt_tokens or not long.ttft_s:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from ferrum.bench.client import http_client
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.stats import Answer, rate_while_all_busy
@@ -148,7 +149,7 @@ async def _run(url: str, workload: str, clients: int, tokens: int) -> tuple[floa
             got = resp.json()["usage"]["completion_tokens"]
             answers[c].append(Answer(sent, time.perf_counter(), got))
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with http_client(url, timeout=600) as http:
         start = time.perf_counter()
         await asyncio.gather(*(client(http, c) for c in range(clients)))
         whole = sum(a.tokens for client_answers in answers for a in client_answers)

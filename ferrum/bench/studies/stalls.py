@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from ferrum.bench.client import http_client
 from ferrum.bench.rounds import Metric
 from ferrum.bench.stats import p99_rank
 from ferrum.bench.studies import Study, StudyRun
@@ -123,7 +124,7 @@ async def _kind(
 
 async def _measure(url: str, round_no: int, bursts: int, model: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async with http_client(url, timeout=120) as client:
         streams: list[list[float]] = [[] for _ in range(STREAMS)]
         tasks = [asyncio.create_task(_stream(client, model, s, round_no * 10 + i))
                  for i, s in enumerate(streams)]  # fmt: skip
