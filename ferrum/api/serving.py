@@ -1,5 +1,4 @@
-"""One completion request from HTTP to engine and back: its model, n choices, deadline,
-disconnects.
+"""One completion request from HTTP to engine and back: model, n choices, deadline, hang-ups.
 
 A request holds a lease on its model (`ferrum.models.registry`) from before its preparation
 until its answer is sent, so the model cannot unload under it. Every way a request can end

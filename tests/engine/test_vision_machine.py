@@ -139,6 +139,10 @@ class WholeImagesCappedMachine(VisionMachine):
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path, mmproj=self.mmproj)
+        # The machine wants every answer to run to max_tokens (its fake model's rule); after
+        # this projector's images the tiny llama may pick its end token, which here is just
+        # a token (the oracle decodes with ignore_eos).
+        runner.vocab.is_eog = lambda token: False  # type: ignore[method-assign]
         engine = LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL, prefill_cap=5)
         assert engine.scheduler.whole_images
         return runner, engine
