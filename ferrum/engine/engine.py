@@ -138,7 +138,7 @@ class LLMEngine:
         Pure: safe to call from any thread."""
         room = self.scheduler.image_room()
         longest = max((span.end - span.start for span in images), default=0)
-        if images and room is not None and longest > room:
+        if room is not None and longest > max(room, 0):
             raise InvalidRequest(
                 f"an image of {longest} positions does not fit one step of this model "
                 f"({room} with --batch-size {self.info.n_batch} and --parallel "

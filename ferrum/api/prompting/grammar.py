@@ -161,22 +161,9 @@ class GrammarBuilder:
 
         def build() -> str:
             check_schema(schema, param)
-            grammar = to_grammar("json_schema", rewritten(schema))
-            try:
-                self._vocab.check_grammar(grammar)
-            except ValueError as exc:  # a keyword it cannot honour is named with its place
-                where = keyword_path(schema, str(exc))
-                if where is None:
-                    raise
-                raise GrammarRefused(
-                    f"{param}{where}: {exc}: the constraint engine cannot enforce it, so the "
-                    "schema is refused rather than the keyword ignored",
-                    param=param,
-                    reason=refusal_reason(exc),
-                ) from exc
-            return grammar
+            return to_grammar("json_schema", rewritten(schema))
 
-        return self._kept_or_built(_key("schema", schema), build, param)
+        return self._kept_or_built(_key("schema", schema), build, param, schema)
 
     def for_tools(self, tools: ToolRequest, fmt: ToolFormat) -> str | None:
         """A grammar that admits only calls in `fmt`: one or more (`required`; one when not
@@ -210,7 +197,12 @@ class GrammarBuilder:
         )
         return self._kept_or_built(key, build, "tools")
 
-    def _kept_or_built(self, key: str, build: Callable[[], str], param: str) -> str:
+    def _kept_or_built(
+        self, key: str, build: Callable[[], str], param: str, schema: Any = None
+    ) -> str:
+        """The grammar kept under `key`, else built; checked against the vocabulary either
+        way. A refusal names `param`, and within `schema` the place of a keyword llguidance
+        cannot enforce."""
         with self._lock:
             grammar = self._built.get(key)
         try:
@@ -221,7 +213,12 @@ class GrammarBuilder:
             self._vocab.check_grammar(grammar)
         except (ValueError, RecursionError) as exc:
             reason = refusal_reason(exc)
-            raise GrammarRefused(f"{param}: {exc}", param=param, reason=reason) from exc
+            where = None if schema is None else keyword_path(schema, str(exc))
+            message = f"{param}: {exc}" if where is None else (
+                f"{param}{where}: {exc}: the constraint engine cannot enforce it, so the "
+                "schema is refused rather than the keyword ignored"
+            )  # fmt: skip
+            raise GrammarRefused(message, param=param, reason=reason) from exc
         with self._lock:
             self._built.put(key, grammar, len(key) + len(grammar))
         return grammar

@@ -43,6 +43,7 @@ from ferrum.bench.rounds import Metric, per_round
 from ferrum.bench.stats import Spread, paired_ratio, verdict
 from ferrum.bench.studies import Study, StudyRun
 from ferrum.bench.studies.burst import WORDS
+from ferrum.bench.studies.speculation import ferrum_flags
 from ferrum.bench.studies.tiers import document, turn
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
@@ -75,10 +76,11 @@ def arms(types: str) -> list[str]:
 
 
 def server_flags(ferrum: bool, kv: str, server: str = "ferrum") -> list[str]:
-    """The KV flags; a ferrum arm "ferrum none TYPE" also turns speculation off."""
+    """The KV flags; a ferrum arm's speculation words as the speculation study reads them
+    ("ferrum none TYPE": speculation off)."""
     if ferrum:
-        spec = ["--spec-type", "none"] if server.split()[1:] == ["none"] else []
-        return ["--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on", *spec]
+        kv_flags = ["--cache-type-k", kv, "--cache-type-v", kv, "--flash-attn", "on"]
+        return kv_flags + ferrum_flags(server)
     return ["-ctk", kv, "-ctv", kv, "-fa", "on"]
 
 
