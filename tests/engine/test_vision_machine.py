@@ -94,34 +94,31 @@ def test_vision_state_machine_split(tiny_llama, mmproj):
     assert SplittingVisionMachine.splits > 0
 
 
+def _pieces(prompt: list[int]) -> list[tuple[int, list[int] | None]]:
+    """The prompt as (position, the whole image starting there, or None for one id)."""
+    out, i = [], 0
+    while i < len(prompt):
+        image = next((m for m in VisionMachine.images if prompt[i : i + len(m)] == m), None)
+        out.append((i, image))
+        i += len(image) if image is not None else 1
+    return out
+
+
 def _whole(prompt: list[int]) -> list[int]:
     """The prompt with every part of an image that is not a whole image left out: prompts
     from the API hold whole images only, and under attention both ways the first rows of a
     part would differ from the same rows of the whole (here they would share its ids)."""
-    out, i = [], 0
-    while i < len(prompt):
-        image = next((m for m in VisionMachine.images if prompt[i : i + len(m)] == m), None)
-        if image is not None:
-            out += image
-            i += len(image)
-        else:
-            out += [prompt[i]] if prompt[i] >= 0 else []
-            i += 1
+    out: list[int] = []
+    for i, image in _pieces(prompt):
+        out += image if image is not None else [prompt[i]] if prompt[i] >= 0 else []
     return out
 
 
 def _whole_spans(prompt: list[int]) -> tuple[ImageSpan, ...]:
     """Each image its own span, even side by side (the API splices them so)."""
-    out, i = [], 0
-    while i < len(prompt):
-        image = next((m for m in VisionMachine.images if prompt[i : i + len(m)] == m), None)
-        if image is None:
-            assert prompt[i] >= 0, "a part of an image"
-            i += 1
-            continue
-        out.append(ImageSpan(i, _stacked(image)))
-        i += len(image)
-    return tuple(out)
+    pieces = _pieces(prompt)
+    assert all(image is not None or prompt[i] >= 0 for i, image in pieces), "a part of an image"
+    return tuple(ImageSpan(i, _stacked(image)) for i, image in pieces if image is not None)
 
 
 class WholeImagesCappedMachine(VisionMachine):
@@ -139,10 +136,6 @@ class WholeImagesCappedMachine(VisionMachine):
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path, mmproj=self.mmproj)
-        # The machine wants every answer to run to max_tokens (its fake model's rule); after
-        # this projector's images the tiny llama may pick its end token, which here is just
-        # a token (the oracle decodes with ignore_eos).
-        runner.vocab.is_eog = lambda token: False  # type: ignore[method-assign]
         engine = LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL, prefill_cap=5)
         assert engine.scheduler.whole_images
         return runner, engine

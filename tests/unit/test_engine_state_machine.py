@@ -266,10 +266,12 @@ class EngineMachine(RuleBasedStateMachine):
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
-            # n choices: one prompt of one tenant, in one cache scope, one grammar, one set
+            # n choices: one prompt of one tenant, in one cache scope, one grammar, one set;
+            # each runs to max_tokens (a real tiny model's end token is a token here, as in
+            # the oracles, which decode with ignore_eos; a grammar still ends it)
             params = sampling(
                 max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar,
-                adapters=adapters,
+                adapters=adapters, ignore_eos=True,
             )  # fmt: skip
             stream = self.front.submit(rid, prompt, params, True, whole, self.spans(prompt))
             full = scope + adapter_scope(adapters)
