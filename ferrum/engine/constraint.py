@@ -41,6 +41,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from ferrum.engine.lru import SizedLRU
+from ferrum.engine.unique_items import Rule, UniqueWatch
 
 # llguidance's own bounds, tightened where its defaults allow more than one request should
 # cost: 250,000 lexer states is up to ~500 MB; 50,000 is ~100 MB at worst and far above what
@@ -72,6 +73,9 @@ _JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
 _MASK_THREADS = 8
 # Rows from which the pool is used: below, its hand-off costs more than the parallel fill saves.
 TOGETHER_FROM = 4
+# Where a grammar text carries its `uniqueItems` rules (unique_items.py) beside llguidance's own
+# keys, which llguidance ignores.
+UNIQUE_KEY = "x_ferrum_unique"
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _MAX_FORMATS_DROPPED = 32
 
@@ -95,11 +99,35 @@ class TooLarge(ValueError):
     """A grammar source over MAX_SOURCE_BYTES."""
 
 
+class Unenforceable(ValueError):
+    """A keyword the engine cannot enforce where it stands (`where`: its place in the
+    schema, ".properties.tags", "" at the root)."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
+def with_unique(grammar: str, rules: Sequence[dict[str, Any]]) -> str:
+    """A grammar text that also carries `uniqueItems` rules (none: the text as it is)."""
+    if not rules:
+        return grammar
+    return json.dumps({**json.loads(grammar), UNIQUE_KEY: list(rules)})
+
+
+def _rules_of(grammar: str) -> tuple[Rule, ...]:
+    if UNIQUE_KEY not in grammar:
+        return ()
+    return tuple(Rule.from_json(r) for r in json.loads(grammar).get(UNIQUE_KEY, ()))
+
+
 def refusal_reason(exc: Exception) -> str:
     """The metrics' reason for a grammar that failed `to_grammar` or `Constraints.check`:
     too_large, unsupported_keyword, compile_limits (one of `LIMITS` passed) or compile_error."""
     if isinstance(exc, TooLarge):
         return "too_large"
+    if isinstance(exc, Unenforceable):
+        return "unsupported_keyword"
     message = str(exc)
     if any(word in message for word in _UNSUPPORTED):
         return "unsupported_keyword"
@@ -183,6 +211,8 @@ class Constraints:
         self._lock = threading.Lock()
         self.compile_s = 0.0  # seconds spent compiling, for the tests and metrics
         self._executor: Any = None  # the thread pool of `allowed_together`, made on first use
+        self._token_bytes: list[bytes] | None = None  # for uniqueItems rules, made on first use
+        self.risky = np.zeros(0, dtype=np.int64)  # tokens with a quote or a bracket
 
     @property
     def executor(self) -> Any:
@@ -202,8 +232,30 @@ class Constraints:
         self.compile_s += time.monotonic() - start
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
+        if _rules_of(grammar):
+            self._learn_token_bytes()
         with self._lock:
             self._kept.put(grammar, matcher, _BYTES_PER_CHAR * len(grammar))
+
+    def _learn_token_bytes(self) -> None:
+        """Every token's bytes (end tokens none), and which hold a quote or a bracket: what a
+        uniqueItems watch reads (one pass over the vocabulary, in the preparation thread)."""
+        with self._lock:
+            if self._token_bytes is not None:
+                return
+        ends = set(int(t) for t in self.end_tokens)
+        table = [
+            b"" if t in ends else bytes(self.tokenizer.decode_bytes([t]))
+            for t in range(self.n_vocab)
+        ]
+        risky = [t for t, b in enumerate(table) if b'"' in b or b"[" in b]
+        with self._lock:
+            self.risky = np.array(risky, dtype=np.int64)
+            self._token_bytes = table
+
+    def token_bytes(self, token: int) -> bytes:
+        assert self._token_bytes is not None, "learned when a grammar with rules was checked"
+        return self._token_bytes[token] if token < len(self._token_bytes) else b""
 
     def constraint(self, grammar: str) -> Constraint:
         """A fresh matcher at the grammar's start for one sequence (compiled first if it was
@@ -213,7 +265,10 @@ class Constraints:
             kept = self._kept.get(grammar)
         if kept is None:  # pushed out by other grammars in between
             kept = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
-        return Constraint(kept.deep_copy(), self)
+        rules = _rules_of(grammar)
+        if rules:
+            self._learn_token_bytes()
+        return Constraint(kept.deep_copy(), self, UniqueWatch(rules) if rules else None)
 
     @property
     def kept_bytes(self) -> int:
@@ -226,10 +281,11 @@ class Constraints:
 
 
 class Constraint:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar (and, for `uniqueItems`, in its JSON)."""
 
-    def __init__(self, matcher: Any, constraints: Constraints):
+    def __init__(self, matcher: Any, constraints: Constraints, watch: UniqueWatch | None = None):
         self._matcher = matcher
+        self._watch = watch
         self.owner = constraints
         self._end = constraints.end_tokens
         self._end_set = frozenset(int(t) for t in self._end)
@@ -240,12 +296,16 @@ class Constraint:
     def allows(self, token: int) -> bool:
         if token in self._end_set:
             return bool(self._matcher.is_accepting())
-        return bool(self._matcher.validate_tokens([token]) == 1)
+        if self._matcher.validate_tokens([token]) != 1:
+            return False
+        return self._watch is None or self._watch.admits(self.owner.token_bytes(token))
 
     def accept(self, token: int) -> None:
         """Advances past a token `allows` admitted (an end token is not consumed)."""
         if token not in self._end_set:
             self._matcher.consume_token(token)
+            if self._watch is not None:
+                self._watch.feed(self.owner.token_bytes(token))
 
     def allowed(self, n_vocab: int) -> np.ndarray:
         """Which of the first n_vocab tokens may come next (booleans); none when the matcher
@@ -262,6 +322,8 @@ class Constraint:
         allowed[ends] = bool(self._matcher.is_accepting())
         if self._matcher.is_error():
             allowed[:] = False
+        elif self._watch is not None:
+            self._watch.refuse_in(allowed, self.owner.token_bytes, self.owner.risky)
         return allowed
 
 

@@ -2,8 +2,8 @@
 
 Every rule of `SpeculatingEngineMachine` (prefix reuse, n choices, tenants and preemption,
 hang-ups, decode faults, guesses right and wrong), with some requests constrained by a JSON
-schema, a regex, a choice or a Lark grammar (llguidance grammars from `to_grammar`, enforced
-by the fake runner with a real matcher, the masks of a step's refusals filled together on
+schema (one with uniqueItems, its watch beside the grammar), a regex, a choice or a Lark
+grammar (llguidance grammars from `to_grammar`, enforced by the fake runner with a real matcher, the masks of a step's refusals filled together on
 llguidance's pool as the llama runner fills them). The fake model proposes letters; its
 guesses are the unconstrained model's, so inside a string or a letter class they are taken and
 elsewhere refused and rolled back.
@@ -19,6 +19,7 @@ Oracles, for each constrained request that finished:
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -29,7 +30,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant
 
-from ferrum.engine.constraint import to_grammar
+from ferrum.api.prompting.schema_unique import unique_rules
+from ferrum.engine.constraint import to_grammar, with_unique
 from ferrum.engine.outputs import RequestOutput
 from tests.factories import EOS, FakeVocab, _constrained
 from tests.unit.test_engine_state_machine import (
@@ -48,6 +50,9 @@ PERSON = {
     "additionalProperties": False,
 }
 WORDS = {"type": "array", "items": {"type": "string", "pattern": "^[a-k]+$"}, "maxItems": 3}
+# uniqueItems, enforced beside the grammar (engine/unique_items.py): three of four values.
+PICKS = {"type": "array", "items": {"enum": ["ab", "a", "b", "ba"]}, "uniqueItems": True,
+         "minItems": 3}  # fmt: skip
 CHOICES = ["alpha", "beta", "gamma delta"]
 
 
@@ -64,6 +69,7 @@ def _json_fits(schema: dict[str, Any]) -> Callable[[str], bool]:
 CONSTRAINTS: list[tuple[str, Any, Callable[[str], bool]]] = [
     ("json_schema", PERSON, _json_fits(PERSON)),
     ("json_schema", WORDS, _json_fits(WORDS)),
+    ("json_schema", PICKS, _json_fits(PICKS)),
     ("regex", "[a-p]{3,20}", lambda t: re.fullmatch("[a-p]{3,20}", t) is not None),
     ("regex", "([a-z]+ )*[a-z]+", lambda t: re.fullmatch("([a-z]+ )*[a-z]+", t) is not None),
     ("choice", CHOICES, lambda t: t in CHOICES),
@@ -73,7 +79,16 @@ CONSTRAINTS: list[tuple[str, Any, Callable[[str], bool]]] = [
         lambda t: re.fullmatch("[a-h]+(,[a-h]+)*", t) is not None,
     ),
 ]
-GRAMMARS = [to_grammar(kind, source) for kind, source, _ in CONSTRAINTS]
+
+
+def _grammar(kind: str, source: Any) -> str:
+    if kind != "json_schema":
+        return to_grammar(kind, source)
+    plain, rules = unique_rules(copy.deepcopy(source))
+    return with_unique(to_grammar(kind, plain), rules)
+
+
+GRAMMARS = [_grammar(kind, source) for kind, source, _ in CONSTRAINTS]
 FITS = dict(zip(GRAMMARS, (fits for _, _, fits in CONSTRAINTS), strict=True))
 
 

@@ -18,10 +18,12 @@ Any failure is a 400 naming the parameter and what failed. A JSON schema is chec
 what it may cost (schema_limits.py) and against the draft 2020-12 metaschema; keywords that
 only annotate (unknown ones included, as JSON Schema says) are ignored; those llguidance does
 not implement are rewritten into ones it does where the meaning is kept whole
-(schema_rewrites.py: `not` of types, `uniqueItems` that cannot matter), and any other it
-cannot honour (`uniqueItems` over longer arrays, `contains`, …) is refused by name and place
-rather than accepted and not enforced: a client that sends it would otherwise get output
-that breaks its schema.
+(schema_rewrites.py: `not` of types, `uniqueItems` that cannot matter), `uniqueItems` over
+free strings or a fixed set of values becomes rules the engine enforces as the JSON is written
+(schema_unique.py; in response formats, not yet in tool calls), and any other keyword it
+cannot honour (`contains`, `uniqueItems` over objects, …) is refused by name and place rather
+than accepted and not enforced: a client that sends it would otherwise get output that breaks
+its schema.
 
 Agents send the same schemas again and again: `GrammarBuilder` keeps the grammar text of each
 request field it built (bounded by count and by bytes, least recently used out), and the
@@ -42,9 +44,17 @@ from ferrum.api.openai.bodies import ResponseFormat, StructuredRequest
 from ferrum.api.prompting.schema_limits import check_counts, check_size
 from ferrum.api.prompting.schema_recursion import unbounded_ref
 from ferrum.api.prompting.schema_rewrites import keyword_path, rewritten
+from ferrum.api.prompting.schema_unique import unique_rules
 from ferrum.api.prompting.tool_calls import ToolFormat
 from ferrum.api.prompting.tool_request import Function, ToolRequest
-from ferrum.engine.constraint import lark_json, refusal_reason, to_grammar
+from ferrum.engine.constraint import (
+    UNIQUE_KEY,
+    Unenforceable,
+    lark_json,
+    refusal_reason,
+    to_grammar,
+    with_unique,
+)
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.lru import SizedLRU
 from ferrum.errors import InvalidRequest
@@ -161,7 +171,8 @@ class GrammarBuilder:
 
         def build() -> str:
             check_schema(schema, param)
-            return to_grammar("json_schema", rewritten(schema))
+            plain, rules = unique_rules(rewritten(schema))
+            return with_unique(to_grammar("json_schema", plain), rules)
 
         return self._kept_or_built(_key("schema", schema), build, param, schema)
 
@@ -188,7 +199,15 @@ class GrammarBuilder:
             for i, f in enumerate(tools.functions):
                 if f in chosen:
                     # Each schema alone first, so that a refusal names its function.
-                    self.for_schema(f.parameters, f"tools[{i}].function.parameters")
+                    param = f"tools[{i}].function.parameters"
+                    if UNIQUE_KEY in self.for_schema(f.parameters, param):
+                        raise GrammarRefused(
+                            f"{param}: uniqueItems is enforced in response formats, not yet "
+                            "inside tool calls, so the schema is refused rather than the "
+                            "keyword ignored",
+                            param=param,
+                            reason="unsupported_keyword",
+                        )
             schema = _calls_schema(chosen, fmt.args_key)
             return to_grammar("grammar", _calls_lark(lark_json(schema), fmt, many))
 
@@ -213,7 +232,9 @@ class GrammarBuilder:
             self._vocab.check_grammar(grammar)
         except (ValueError, RecursionError) as exc:
             reason = refusal_reason(exc)
-            where = None if schema is None else keyword_path(schema, str(exc))
+            where = exc.where if isinstance(exc, Unenforceable) else (
+                None if schema is None else keyword_path(schema, str(exc))
+            )  # fmt: skip
             message = f"{param}: {exc}" if where is None else (
                 f"{param}{where}: {exc}: the constraint engine cannot enforce it, so the "
                 "schema is refused rather than the keyword ignored"

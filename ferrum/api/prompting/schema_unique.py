@@ -1,0 +1,220 @@
+"""`uniqueItems: true` taken out of a schema and turned into rules the engine enforces while
+the JSON is written (`engine/unique_items.py`), where that can never leave an output stuck:
+
+    items {"type": "string"} (minLength aside, nothing that bounds the string)
+        a duplicate is refused at its closing quote; the string can always go on instead
+    items from a fixed set: enum, const, {"type": "boolean"}, {"type": "null"}
+        an item may only head for a value not yet used, and no new item starts once every
+        value is used (minItems above the number of values: no instance, refused)
+
+Anywhere else the keyword is refused by place (`Unenforceable`): items of any other kind, an
+array inside a recursive $ref, a $ref that is not a local pointer, and an array place another
+array schema may also describe (anyOf branches, patterns), where a rule could hold back an
+array that does not need it.
+
+A rule names the array's place in the instance: keys through `properties`, any item through
+`items`/`prefixItems`, keys a pattern matches through `patternProperties`, the other keys
+through `additionalProperties`; `$ref`, `allOf`, `anyOf` and `oneOf` keep the place.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema_rs
+
+from ferrum.engine.constraint import Unenforceable
+from ferrum.engine.unique_items import Rule, canon
+
+# Walk steps allowed: $refs can fan out (one definition used from many places), so a schema
+# whose places multiply past this is refused rather than walked for long.
+_MAX_VISITS = 20_000
+# Keywords that bound a string: with them a refused duplicate might have no way to go on.
+_BOUNDING = {
+    "maxLength", "pattern", "format", "enum", "const", "allOf", "anyOf", "oneOf", "not", "$ref",
+    "if", "then", "else", "contentEncoding", "contentMediaType",
+}  # fmt: skip
+_NOT_ENFORCED = (
+    'uniqueItems is enforced only over free strings ({"type": "string"} without maxLength, '
+    "pattern or format) and over a fixed set of values (enum, const, boolean, null)"
+)
+
+
+_Path = tuple[dict[str, Any], ...]
+
+
+def unique_rules(schema: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`schema` without the `uniqueItems: true` it reaches (in place) and their rules, in the
+    form `engine/unique_items.Rule.from_json` reads; Unenforceable naming a place where the
+    keyword cannot be enforced."""
+    if "uniqueItems" not in json.dumps(schema):
+        return schema, []
+    walk = _Walk(schema)
+    walk.visit(schema, "", (), ())
+    for rule in walk.rules:
+        clash = next((a for a in walk.arrays if a.node is not rule.node and a.overlaps(rule)), None)
+        if clash is not None:
+            raise Unenforceable(
+                f"uniqueItems: another array schema ({clash.where or 'the root'}) may describe "
+                "the same place, and a rule for one would hold back the other",
+                rule.where,
+            )
+    for rule in walk.rules:
+        rule.node.pop("uniqueItems", None)
+    return schema, [{"path": list(r.path), "values": r.values} for r in walk.rules]
+
+
+@dataclass
+class _Place:
+    where: str  # in the schema, for messages
+    path: tuple[dict[str, Any], ...]  # in the instance
+    node: dict[str, Any]
+    values: list[Any] | None = None
+
+    def overlaps(self, other: _Place) -> bool:
+        return len(self.path) == len(other.path) and all(
+            _steps_meet(a, b) for a, b in zip(self.path, other.path, strict=True)
+        )
+
+
+def _steps_meet(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether one key or index could stand at both steps (patterns against patterns: yes)."""
+    if a.get("index") or b.get("index"):
+        return bool(a.get("index") and b.get("index"))
+    if "key" in a and "key" in b:
+        return bool(a["key"] == b["key"])
+    if "key" in b:
+        a, b = b, a
+    if "key" in a:
+        return Rule((b,), None).matches([a["key"]])
+    return True
+
+
+@dataclass
+class _Walk:
+    root: dict[str, Any]
+    rules: list[_Place] = field(default_factory=list)
+    arrays: list[_Place] = field(default_factory=list)
+    visits: int = 0
+
+    def visit(self, node: Any, where: str, path: _Path, refs: tuple[str, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        self.visits += 1
+        if self.visits > _MAX_VISITS:
+            raise Unenforceable("uniqueItems: the schema's $refs lead to too many places", where)
+        if node.get("uniqueItems") is True:
+            self.rules.append(_Place(where, path, node, self._values(node, where)))
+        if _is_array(node):
+            self.arrays.append(_Place(where, path, node))
+        self._children(node, where, path, refs)
+        if isinstance(node.get("$ref"), str):
+            self._follow(node["$ref"], where, path, refs)
+
+    def _children(
+        self, node: dict[str, Any], where: str, path: _Path, refs: tuple[str, ...]
+    ) -> None:
+        props = node.get("properties")
+        patterns = node.get("patternProperties")
+        for key, sub in (props if isinstance(props, dict) else {}).items():
+            self.visit(sub, f"{where}.properties.{key}", (*path, {"key": key}), refs)
+        for pattern, sub in (patterns if isinstance(patterns, dict) else {}).items():
+            self.visit(
+                sub, f"{where}.patternProperties.{pattern}", (*path, {"pattern": pattern}), refs
+            )
+        other = {"other": sorted(props or {}), "patterns": sorted(patterns or {})}
+        self.visit(
+            node.get("additionalProperties"), f"{where}.additionalProperties", (*path, other), refs
+        )
+        index = (*path, {"index": True})
+        for key in ("items", "additionalItems", "prefixItems"):
+            subs = node.get(key)
+            for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
+                suffix = f"[{i}]" if isinstance(subs, list) else ""
+                self.visit(sub, f"{where}.{key}{suffix}", index, refs)
+        for key in ("allOf", "anyOf", "oneOf"):
+            subs = node.get(key)
+            for i, sub in enumerate(subs if isinstance(subs, list) else []):
+                self.visit(sub, f"{where}.{key}[{i}]", path, refs)
+
+    def _follow(self, ref: str, where: str, path: _Path, refs: tuple[str, ...]) -> None:
+        target = _resolve(self.root, ref)
+        if target is None:
+            if "uniqueItems" in json.dumps(self.root):
+                raise Unenforceable(
+                    f"uniqueItems: the $ref {ref!r} is not a local pointer the check can follow",
+                    where,
+                )
+            return
+        if ref in refs:
+            if "uniqueItems" in json.dumps(target):
+                raise Unenforceable("uniqueItems inside a recursive $ref", where)
+            return
+        self.visit(target, f"{where}.$ref", path, (*refs, ref))
+
+    def _values(self, node: dict[str, Any], where: str) -> list[Any] | None:
+        """The rule's fixed set of values, None for free strings; Unenforceable otherwise."""
+        items = node.get("items")
+        if isinstance(items, dict) and isinstance(items.get("$ref"), str) and len(items) == 1:
+            items = _resolve(self.root, items["$ref"])
+        if "prefixItems" in node or not isinstance(items, dict):
+            raise Unenforceable(_NOT_ENFORCED, where)
+        if items.get("type") == "string" and not set(items) & _BOUNDING:
+            return None
+        values = _fixed_set(items)
+        if values is None:
+            raise Unenforceable(_NOT_ENFORCED, where)
+        least = node.get("minItems", 0)
+        if isinstance(least, int | float) and least > len(values):
+            raise Unenforceable(
+                f"uniqueItems with minItems {least}: only {len(values)} distinct values exist",
+                where,
+            )
+        return values
+
+
+def _is_array(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    return "array" in kinds or any(k in node for k in ("items", "prefixItems", "contains"))
+
+
+def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
+    """The distinct scalar values items of this schema can take, or None when not a fixed
+    set (or when it refers elsewhere: the values are checked against the schema alone)."""
+    if "enum" in items and isinstance(items["enum"], list):
+        candidates = list(items["enum"])
+    elif "const" in items:
+        candidates = [items["const"]]
+    elif items.get("type") == "boolean":
+        candidates = [True, False]
+    elif items.get("type") == "null":
+        candidates = [None]
+    else:
+        return None
+    if "$ref" in json.dumps(items) or any(isinstance(v, dict | list) for v in candidates):
+        return None
+    validator = jsonschema_rs.validator_for(items)
+    kept: dict[tuple[Any, ...], Any] = {}
+    for value in candidates:
+        if validator.is_valid(value):
+            kept.setdefault(canon(value), value)
+    return list(kept.values())
+
+
+def _resolve(root: dict[str, Any], ref: str) -> Any:
+    """The node a local JSON pointer ("#", "#/$defs/a") names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node

@@ -1,0 +1,244 @@
+"""`uniqueItems` enforced while JSON is written (issue #41): the schema's rules
+(api/prompting/schema_unique.py) and the watch over the output (engine/unique_items.py).
+
+Oracles:
+- the watch never refuses JSON whose watched arrays hold distinct items, however it is cut
+  into tokens and spaced, and refuses one with a duplicate no later than the byte that
+  completes the duplicate and no earlier than the duplicate begins;
+- a random writer under the real llguidance matcher plus the watch (the fake's byte tokens)
+  never gets stuck, and every output it finishes validates against the schema (jsonschema);
+- a refusal names the keyword's place.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ferrum.api.prompting.schema_unique import unique_rules
+from ferrum.engine.constraint import Unenforceable, to_grammar, with_unique
+from ferrum.engine.unique_items import Rule, UniqueWatch
+from tests.factories import EOS, N_VOCAB, FakeRunner, FakeVocab, fake_app
+
+pytestmark = pytest.mark.unit
+
+FREE = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+COLORS = ["red", "re", "green", 'é"\\', 3, 1.5, True, None]
+FIXED = {"type": "array", "items": {"enum": COLORS}, "uniqueItems": True}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "tags": FREE,
+        "rows": {"type": "array", "items": {"type": "object", "properties": {"c": FIXED}}},
+    },
+    "additionalProperties": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True},
+}
+REFS = {
+    "$defs": {"Color": {"enum": ["a", "b", "ab"]}, "Set": {"type": "array", "uniqueItems": True,
+                                                          "items": {"$ref": "#/$defs/Color"}}},
+    "anyOf": [{"$ref": "#/$defs/Set"}, {"type": "null"}],
+}  # fmt: skip
+SCHEMAS = [FREE, FIXED, NESTED, REFS]
+
+
+def _grammar(schema: dict[str, Any]) -> str:
+    plain, rules = unique_rules(copy.deepcopy(schema))
+    return with_unique(to_grammar("json_schema", plain), rules)
+
+
+def _watch(schema: dict[str, Any]) -> UniqueWatch:
+    _, rules = unique_rules(copy.deepcopy(schema))
+    return UniqueWatch([Rule.from_json(r) for r in rules])
+
+
+def _first_refusal(watch: UniqueWatch, text: bytes, cuts: list[int]) -> int | None:
+    """The byte offset of the first token the watch refuses (None: all admitted)."""
+    start = 0
+    for end in [*sorted(set(cuts)), len(text)]:
+        if end <= start:
+            continue
+        piece = text[start:end]
+        if not watch.admits(piece):
+            return start
+        watch.feed(piece)
+        start = end
+    return None
+
+
+def _dumps(value: Any, spaced: bool) -> bytes:
+    return json.dumps(value, indent=1 if spaced else None, ensure_ascii=not spaced).encode()
+
+
+values = st.one_of(st.text(max_size=6), st.sampled_from(COLORS))
+
+
+@given(st.lists(st.text(max_size=6), unique=True, max_size=6), st.booleans(), st.data())
+def test_distinct_free_strings_are_never_refused(items, spaced, data):
+    text = _dumps(items, spaced)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
+    assert _first_refusal(_watch(FREE), text, cuts) is None
+
+
+@given(st.lists(st.sampled_from(COLORS), max_size=8), st.booleans(), st.data())
+def test_a_duplicate_is_refused_where_it_is_written(items, spaced, data):
+    distinct = list({json.dumps(v): v for v in items}.values())
+    assert _first_refusal(_watch(FIXED), _dumps(distinct, spaced), []) is None
+    if len(distinct) == len(items):
+        return
+    text = _dumps(items, spaced)
+    refused = _first_refusal(_watch(FIXED), text, list(range(len(text))))
+    # Where the first repeat is written: between its first and last byte.
+    seen, at = set(), 0
+    for value in items:
+        piece = json.dumps(value, ensure_ascii=not spaced).encode()
+        at = text.index(piece, at)
+        if json.dumps(value) in seen:
+            break
+        seen.add(json.dumps(value))
+        at += len(piece)
+    assert refused is not None and at <= refused < at + len(piece), (text, refused, at)
+
+
+def test_equal_values_written_differently_are_one_value():
+    for first, second in (("a", "\\u0061"), ("1.5", "1.50"), ("3", "3.0")):
+        schema = FREE if first == "a" else FIXED
+        quote = '"' if first == "a" else ""
+        text = f"[{quote}{first}{quote},{quote}{second}{quote}]".encode()
+        assert _first_refusal(_watch(schema), text, list(range(len(text)))) is not None, text
+    text = b"[true,1]"  # JSON Schema keeps booleans apart from numbers
+    assert _first_refusal(_watch({**FIXED, "items": {"enum": [True, 1]}}), text, []) is None
+
+
+def test_no_new_item_starts_once_every_value_is_used():
+    schema = {**FIXED, "items": {"type": "boolean"}}
+    watch = _watch(schema)
+    watch.feed(b"[true, false")
+    assert not watch.admits(b",") and watch.admits(b"]") and watch.admits(b" ]")
+
+
+def _write(grammar: str, rng: random.Random, limit: int = 400) -> tuple[bytes, str]:
+    """A random writer under the constraint: proposes a byte, takes it if allowed, else a
+    random allowed one; 'stuck' if nothing is allowed before the end."""
+    constraint = FakeVocab().constraints().constraint(grammar)
+    out = bytearray()
+    bias = list(b'"ab,]}3tf')
+    for _ in range(limit):
+        token = EOS if rng.random() < 0.05 else rng.choice(bias)
+        if not constraint.allows(token):
+            allowed = constraint.allowed(N_VOCAB)
+            ids = [t for t in range(N_VOCAB) if allowed[t]]
+            if not ids:
+                return bytes(out), "stuck"
+            token = rng.choice([t for t in ids if t in bias or t == EOS] or ids)
+        if token == EOS:
+            return bytes(out), "stop"
+        constraint.accept(token)
+        out.append(token)
+    return bytes(out), "length"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["free", "fixed", "nested", "refs"])
+def test_a_random_writer_never_gets_stuck_and_what_it_finishes_validates(schema):
+    grammar, rng, ends = _grammar(schema), random.Random(7), set()
+    for _ in range(150):
+        text, end = _write(grammar, rng)
+        assert end != "stuck", text
+        if end == "stop":
+            jsonschema.validate(json.loads(text), schema)
+        ends.add(end)
+    assert "stop" in ends
+
+
+def test_without_the_watch_the_same_writer_repeats_items():
+    """Teeth: the writer above does write duplicates when only the grammar holds it."""
+    plain, _ = unique_rules(copy.deepcopy(FIXED))
+    grammar, rng = to_grammar("json_schema", plain), random.Random(7)
+    failed = 0
+    for _ in range(150):
+        text, end = _write(grammar, rng)
+        if end == "stop" and not jsonschema.Draft202012Validator(FIXED).is_valid(json.loads(text)):
+            failed += 1
+    assert failed > 0
+
+
+@pytest.mark.parametrize(
+    "schema, where, says",
+    [
+        ({"type": "array", "uniqueItems": True}, "", "only over free strings"),
+        ({"properties": {"a": {**FREE, "items": {"type": "string", "pattern": "^x"}}}},
+         ".properties.a", "only over free strings"),
+        ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "", "free strings"),
+        ({**FIXED, "items": {"enum": ["a", "b"]}, "minItems": 3}, "", "only 2 distinct"),
+        ({"anyOf": [FREE, {"type": "array", "items": {"type": "integer"}}]}, ".anyOf[0]",
+         "another array schema"),
+        ({"$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}, "uniqueItems": True}},
+          "$ref": "#/$defs/t"}, ".$ref", ""),
+        ({"properties": {"a": {"$ref": "other.json#/x"}, "b": FREE}}, ".properties.a", "$ref"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_enforced_is_refused_by_place(schema, where, says):
+    with pytest.raises(Unenforceable) as err:
+        unique_rules(copy.deepcopy(schema))
+    assert err.value.where == where and says in str(err.value)
+
+
+def test_rules_name_each_place_and_the_keyword_leaves_the_schema():
+    plain, rules = unique_rules(copy.deepcopy(NESTED))
+    assert "uniqueItems" not in json.dumps(plain)
+    assert rules == [
+        {"path": [{"key": "tags"}], "values": None},
+        {"path": [{"key": "rows"}, {"index": True}, {"key": "c"}], "values": COLORS},
+        {"path": [{"other": ["rows", "tags"], "patterns": []}], "values": [True, False]},
+    ]
+    assert unique_rules({"type": "object"}) == ({"type": "object"}, [])
+
+
+def _repeater(history: list[int]) -> int:
+    """A fake model that writes the same string again and again: `["a","a","a"]`."""
+    last, before = history[-1], history[-2] if len(history) > 1 else 0
+    if last in b"[,":
+        return ord('"')
+    if last == ord('"') and before in b"[,":
+        return ord("a")
+    if last == ord("a"):
+        return ord('"')
+    if last == ord('"'):
+        return ord("]") if history.count(ord('"')) >= 6 else ord(",")
+    return EOS
+
+
+def test_a_model_that_repeats_itself_gets_distinct_items_through_the_api():
+    schema = {"type": "object", "properties": {"tags": FREE}, "required": ["tags"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"model": "fake", "messages": [{"role": "user", "content": "["}], "max_tokens": 60}
+    with TestClient(fake_app(FakeRunner(next_token=_repeater))) as client:
+        r = client.post("/v1/chat/completions", json=body | {"response_format": fmt})
+        free = client.post("/v1/chat/completions", json=body | {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"tags": {**FREE, "uniqueItems": False}},
+                "required": ["tags"]}}}})  # fmt: skip
+    assert r.status_code == 200 and free.status_code == 200, r.text
+    answer, plain = (json.loads(x.json()["choices"][0]["message"]["content"]) for x in (r, free))
+    jsonschema.validate(answer, schema)
+    assert len(answer["tags"]) >= 2 and plain["tags"].count("a") >= 2, (answer, plain)
+
+
+def test_tool_parameters_with_unique_items_are_refused_naming_the_function():
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": FREE}}}}  # fmt: skip
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "tools": [tool], "tool_choice": "required"}  # fmt: skip
+    with TestClient(fake_app()) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools[0].function.parameters" and "uniqueItems" in error["message"]
+        assert client.post("/v1/chat/completions", json=body | {"tool_choice": "auto"}).is_success
