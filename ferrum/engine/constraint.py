@@ -212,7 +212,7 @@ class Constraints:
         self.compile_s = 0.0  # seconds spent compiling, for the tests and metrics
         self._executor: Any = None  # the thread pool of `allowed_together`, made on first use
         self._token_bytes: list[bytes] | None = None  # for uniqueItems rules, made on first use
-        self.risky = np.zeros(0, dtype=np.int64)  # tokens with a quote or a bracket
+        self.quotes = self.brackets = np.zeros(0, dtype=np.int64)  # tokens with " and with [
 
     @property
     def executor(self) -> Any:
@@ -238,7 +238,7 @@ class Constraints:
             self._kept.put(grammar, matcher, _BYTES_PER_CHAR * len(grammar))
 
     def _learn_token_bytes(self) -> None:
-        """Every token's bytes (end tokens none), and which hold a quote or a bracket: what a
+        """Every token's bytes (end tokens none), and which hold a quote, which a bracket: what a
         uniqueItems watch reads (one pass over the vocabulary, in the preparation thread)."""
         with self._lock:
             if self._token_bytes is not None:
@@ -248,9 +248,11 @@ class Constraints:
             b"" if t in ends else bytes(self.tokenizer.decode_bytes([t]))
             for t in range(self.n_vocab)
         ]
-        risky = [t for t, b in enumerate(table) if b'"' in b or b"[" in b]
+        quotes = [t for t, b in enumerate(table) if b'"' in b]
+        brackets = [t for t, b in enumerate(table) if b"[" in b]
         with self._lock:
-            self.risky = np.array(risky, dtype=np.int64)
+            self.quotes = np.array(quotes, dtype=np.int64)
+            self.brackets = np.array(brackets, dtype=np.int64)
             self._token_bytes = table
 
     def token_bytes(self, token: int) -> bytes:
@@ -323,7 +325,8 @@ class Constraint:
         if self._matcher.is_error():
             allowed[:] = False
         elif self._watch is not None:
-            self._watch.refuse_in(allowed, self.owner.token_bytes, self.owner.risky)
+            owner = self.owner
+            self._watch.refuse_in(allowed, owner.token_bytes, owner.quotes, owner.brackets)
         return allowed
 
 

@@ -134,15 +134,21 @@ class UniqueWatch:
         self._state = state
 
     def refuse_in(
-        self, allowed: np.ndarray, token_bytes: Callable[[int], bytes], risky: np.ndarray
+        self,
+        allowed: np.ndarray,
+        token_bytes: Callable[[int], bytes],
+        quotes: np.ndarray,
+        brackets: np.ndarray,
     ) -> None:
         """Clears the allowed tokens whose bytes this watch refuses, trying only those that
-        can matter: every allowed one inside a fixed-set array, else those in `risky` (ids of
-        tokens with a quote or a bracket, the only bytes that can complete or open an item)."""
+        can matter: inside a fixed-set array every allowed one; inside a free-string array
+        those with a quote (only a closing quote completes an item); elsewhere those with a
+        bracket (a watched array must open within the token for it to break a rule there)."""
         rule = self.watching
         if rule is not None and rule.values is not None:
             candidates = np.flatnonzero(allowed)
         else:
+            risky = quotes if rule is not None else brackets
             candidates = risky[allowed[risky]]
         for token in candidates:
             if not self.admits(token_bytes(int(token))):

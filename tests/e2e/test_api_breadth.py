@@ -279,3 +279,21 @@ def test_structured_requests_batch_with_free_ones(server):
             _check_call(choice.message.tool_calls[0], [WEATHER])
         else:
             assert choice.message.content
+
+
+@pytest.mark.parametrize("items", [{"type": "string"}, {"enum": ["cat", "cats", "dog", "cow"]}])
+def test_unique_items_hold_on_the_real_vocabulary(client, items):
+    """uniqueItems over free strings and over a fixed set, on SmolLM2's own tokens (quotes,
+    commas and words in one token): asked for a repeat, the model gets distinct items; the
+    same schema without the keyword repeats (the watch's teeth)."""
+    ask = [{"role": "user", "content": "Write the word cat four times as a JSON list."}]
+    schema = {"type": "array", "items": items, "minItems": 3, "maxItems": 4}
+    answers = []
+    for unique in (True, False):
+        fmt = _schema_format({**schema, "uniqueItems": unique})
+        r = _chat(client, messages=ask, max_tokens=60, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        answers.append(json.loads(r.choices[0].message.content))
+    kept, free = answers
+    jsonschema.validate(kept, {**schema, "uniqueItems": True})
+    assert len(set(map(json.dumps, free))) < len(free), free

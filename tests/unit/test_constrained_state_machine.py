@@ -3,8 +3,9 @@
 Every rule of `SpeculatingEngineMachine` (prefix reuse, n choices, tenants and preemption,
 hang-ups, decode faults, guesses right and wrong), with some requests constrained by a JSON
 schema (one with uniqueItems, its watch beside the grammar), a regex, a choice or a Lark
-grammar (llguidance grammars from `to_grammar`, enforced by the fake runner with a real matcher, the masks of a step's refusals filled together on
-llguidance's pool as the llama runner fills them). The fake model proposes letters; its
+grammar (llguidance grammars from `to_grammar`, enforced by the fake runner with a real
+matcher, the masks of a step's refusals filled together on llguidance's pool as the llama
+runner fills them). The fake model proposes letters; its
 guesses are the unconstrained model's, so inside a string or a letter class they are taken and
 elsewhere refused and rolled back.
 

@@ -240,5 +240,6 @@ def test_tool_parameters_with_unique_items_are_refused_naming_the_function():
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == "tools[0].function.parameters" and "uniqueItems" in error["message"]
+        assert error["param"] == "tools[0].function.parameters", error
+        assert "uniqueItems" in error["message"]
         assert client.post("/v1/chat/completions", json=body | {"tool_choice": "auto"}).is_success
