@@ -46,6 +46,7 @@ class Sample:
     max_tokens: int
     t_start: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks with text
+    chunk_chars: list[int] = field(default_factory=list)  # each such chunk's characters
     t_end: float = 0.0
     text: str = ""
     finish_reason: str | None = None
@@ -64,6 +65,18 @@ class Sample:
         """Inter-token latencies: gaps between successive text chunks of this stream."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def tokens_within(self, start: float, end: float) -> float:
+        """Tokens that arrived after `start` up to `end`. A chunk may carry several tokens
+        (ferrum streams a step's kept guesses in one chunk), so the stream's tokens (its
+        usage) are shared among its chunks by their characters; without usage, one token a
+        chunk."""
+        inside = [k for k, t in enumerate(self.chunk_times) if start < t <= end]
+        total = sum(self.chunk_chars)
+        counted = len(self.chunk_chars) == len(self.chunk_times)
+        if not (self.completion_tokens and total and counted):
+            return float(len(inside))
+        return self.completion_tokens * sum(self.chunk_chars[k] for k in inside) / total
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -214,6 +227,7 @@ async def _stream(
                 sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
                 if words := piece(choice):
                     sample.chunk_times.append(now)
+                    sample.chunk_chars.append(len(words))
                     sample.choices_seen.add(choice.get("index", 0))
                     text.append(words)
     sample.t_end = time.perf_counter()

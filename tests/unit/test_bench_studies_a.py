@@ -144,7 +144,7 @@ def test_models_counts_the_tokens_inside_the_window():
     a = Sample(prompt="p", max_tokens=4, chunk_times=[0.5, 1.0, 1.5, 2.0])
     b = Sample(prompt="p", max_tokens=4, chunk_times=[1.2, 1.4, 3.5])
     got = models.per_model([a, b], 1.0, 2.0)
-    assert got["tok_s"] == pytest.approx(5.0)  # 1.0 1.2 1.4 1.5 2.0 in one second
+    assert got["tok_s"] == pytest.approx(4.0)  # 1.2 1.4 1.5 2.0 in (1.0, 2.0]
     assert got["p99_gap_s"] == pytest.approx(2.1)  # b's 1.4 -> 3.5, the longest of all
 
 

@@ -151,6 +151,20 @@ def test_kvtypes_decode_rate_counts_while_every_stream_decodes():
     assert kvtypes.decode_rate(staggered) == pytest.approx(9 / 6.5)
 
 
+def test_a_chunk_of_several_tokens_counts_them_all():
+    """ferrum streams a step's kept guesses in one chunk: the rate counts tokens, not chunks
+    (usage's tokens shared by characters), so speculation is not read as slower."""
+    one_each = Sample("p", 6, chunk_times=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], completion_tokens=6,
+                      chunk_chars=[4] * 6)  # fmt: skip
+    grouped = Sample("p", 6, chunk_times=[1.0, 2.0, 4.0, 6.0], completion_tokens=6,
+                     chunk_chars=[4, 8, 4, 8])  # fmt: skip
+    assert grouped.tokens_within(1.0, 6.0) == pytest.approx(one_each.tokens_within(1.0, 6.0))
+    assert grouped.tokens_within(1.0, 6.0) == pytest.approx(5.0)
+    assert kvtypes.decode_rate([grouped]) == pytest.approx(kvtypes.decode_rate([one_each]))
+    no_usage = Sample("p", 6, chunk_times=[1.0, 2.0, 4.0], chunk_chars=[4, 8, 4])
+    assert no_usage.tokens_within(0.0, 9.0) == 3.0  # one a chunk
+
+
 def test_kvtypes_pairs_ferrum_with_the_peer_at_each_type_and_with_f16():
     arms = kvtypes.arms("f16,q8_0")
 

@@ -14,8 +14,7 @@ Per arm and round, on a fresh server (after one unmeasured request):
   arm of a round), one output token: prompt tokens (the server's usage) / TTFT.
 - decode: `clients` clients (default 8, at most 64) at once, each a short prompt of its own
   and `tokens` output tokens (ignore_eos); tokens per second while every stream was
-  decoding (from the last first token to the first last token; one token a streamed
-  chunk; `decode_rate`).
+  decoding (from the last first token to the first last token; `decode_rate`).
 - capacity: KV bytes per token as the server states it: ferrum's /health (the model's
   `kv_cache_bytes_total` over the cells, its `kv_cache_types` checked against the arm),
   llama-server's `llama_kv_cache: size = … MiB (N cells …)` log line (printed only at
@@ -98,14 +97,16 @@ def conversations(bytes_per_token: float, budget_mib: float, conv_tokens: int) -
 
 
 def decode_rate(samples: list[Sample]) -> float:
-    """Chunks per second while every stream was decoding: from the last stream's first chunk
-    to the first stream's last chunk. When that window holds under half of the chunks that
-    followed a first one (short or staggered streams: a few chunks over a sliver of time
-    would read as any rate at all), those chunks over the whole span instead."""
+    """Tokens per second while every stream was decoding: from the last stream's first chunk
+    to the first stream's last chunk (tokens by `Sample.tokens_within`: a ferrum chunk holds
+    every token of a step, several where guesses were kept). When that window holds under
+    half of the tokens that followed a first chunk (short or staggered streams: a few tokens
+    over a sliver of time would read as any rate at all), those tokens over the whole span
+    instead."""
     start = max(s.chunk_times[0] for s in samples)
     end = min(s.chunk_times[-1] for s in samples)
-    decoded = sum(len(s.chunk_times) - 1 for s in samples)
-    inside = sum(1 for s in samples for t in s.chunk_times if start < t <= end)
+    decoded = sum(s.tokens_within(s.chunk_times[0], s.chunk_times[-1]) for s in samples)
+    inside = sum(s.tokens_within(start, end) for s in samples)
     if end > start and 2 * inside >= decoded:
         return inside / (end - start)
     span = max(s.chunk_times[-1] for s in samples) - min(s.chunk_times[0] for s in samples)
