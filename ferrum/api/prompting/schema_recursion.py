@@ -177,10 +177,17 @@ def _walk(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def _resolve(schema: dict[str, Any], ref: str) -> Any:
     """The subschema a local JSON-pointer `$ref` names; True (no constraint) for any other."""
+    node = local_target(schema, ref)
+    return True if node is None else node
+
+
+def local_target(schema: dict[str, Any], ref: str) -> Any:
+    """The node a local JSON pointer ("#", "#/$defs/a") names in `schema`, or None (another
+    document's, or a pointer that leads nowhere)."""
     if ref == "#":
         return schema
     if not ref.startswith("#/"):
-        return True
+        return None
     node: Any = schema
     for part in ref[2:].split("/"):
         part = unquote(part).replace("~1", "/").replace("~0", "~")
@@ -189,5 +196,5 @@ def _resolve(schema: dict[str, Any], ref: str) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return True
+            return None
     return node

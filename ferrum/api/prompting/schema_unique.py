@@ -25,6 +25,7 @@ from typing import Any
 
 import jsonschema_rs
 
+from ferrum.api.prompting.schema_recursion import local_target
 from ferrum.engine.constraint import Unenforceable
 from ferrum.engine.unique_items import Rule, canon
 
@@ -140,7 +141,7 @@ class _Walk:
                 self.visit(sub, f"{where}.{key}[{i}]", path, refs)
 
     def _follow(self, ref: str, where: str, path: _Path, refs: tuple[str, ...]) -> None:
-        target = _resolve(self.root, ref)
+        target = local_target(self.root, ref)
         if target is None:
             if "uniqueItems" in json.dumps(self.root):
                 raise Unenforceable(
@@ -158,7 +159,7 @@ class _Walk:
         """The rule's fixed set of values, None for free strings; Unenforceable otherwise."""
         items = node.get("items")
         if isinstance(items, dict) and isinstance(items.get("$ref"), str) and len(items) == 1:
-            items = _resolve(self.root, items["$ref"])
+            items = local_target(self.root, items["$ref"])
         if "prefixItems" in node or not isinstance(items, dict):
             raise Unenforceable(_NOT_ENFORCED, where)
         if items.get("type") == "string" and not set(items) & _BOUNDING:
@@ -202,19 +203,3 @@ def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
         if validator.is_valid(value):
             kept.setdefault(canon(value), value)
     return list(kept.values())
-
-
-def _resolve(root: dict[str, Any], ref: str) -> Any:
-    """The node a local JSON pointer ("#", "#/$defs/a") names, or None."""
-    if not ref.startswith("#"):
-        return None
-    node: Any = root
-    for part in ref[1:].split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
