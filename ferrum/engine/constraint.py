@@ -41,7 +41,7 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from ferrum.engine.lru import SizedLRU
-from ferrum.engine.unique_items import Rule, UniqueWatch
+from ferrum.engine.unique_items import Rule, TokenKinds, UniqueWatch
 
 # llguidance's own bounds, tightened where its defaults allow more than one request should
 # cost: 250,000 lexer states is up to ~500 MB; 50,000 is ~100 MB at worst and far above what
@@ -115,10 +115,17 @@ def with_unique(grammar: str, rules: Sequence[dict[str, Any]]) -> str:
     return json.dumps({**json.loads(grammar), UNIQUE_KEY: list(rules)})
 
 
-def _rules_of(grammar: str) -> tuple[Rule, ...]:
+def rules_of(grammar: str) -> tuple[Rule, ...]:
+    """The `uniqueItems` rules a grammar text carries (`with_unique`); none for any other
+    text, whatever it contains; ValueError where a rule's pattern is not a regex."""
     if UNIQUE_KEY not in grammar:
         return ()
-    return tuple(Rule.from_json(r) for r in json.loads(grammar).get(UNIQUE_KEY, ()))
+    try:
+        data = json.loads(grammar)
+    except ValueError:
+        return ()
+    rules = data.get(UNIQUE_KEY) if isinstance(data, dict) else None
+    return tuple(Rule.from_json(r) for r in rules) if isinstance(rules, list) else ()
 
 
 def refusal_reason(exc: Exception) -> str:
@@ -212,7 +219,7 @@ class Constraints:
         self.compile_s = 0.0  # seconds spent compiling, for the tests and metrics
         self._executor: Any = None  # the thread pool of `allowed_together`, made on first use
         self._token_bytes: list[bytes] | None = None  # for uniqueItems rules, made on first use
-        self.quotes = self.brackets = np.zeros(0, dtype=np.int64)  # tokens with " and with [
+        self.token_kinds = TokenKinds.of([])  # which tokens hold a quote, a bracket, ...
 
     @property
     def executor(self) -> Any:
@@ -232,14 +239,14 @@ class Constraints:
         self.compile_s += time.monotonic() - start
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
-        if _rules_of(grammar):
+        if rules_of(grammar):
             self._learn_token_bytes()
         with self._lock:
             self._kept.put(grammar, matcher, _BYTES_PER_CHAR * len(grammar))
 
     def _learn_token_bytes(self) -> None:
-        """Every token's bytes (end tokens none), and which hold a quote, which a bracket: what a
-        uniqueItems watch reads (one pass over the vocabulary, in the preparation thread)."""
+        """Every token's bytes (end tokens none), and which hold the bytes a uniqueItems watch
+        reacts to (one pass over the vocabulary, in the preparation thread)."""
         with self._lock:
             if self._token_bytes is not None:
                 return
@@ -248,11 +255,9 @@ class Constraints:
             b"" if t in ends else bytes(self.tokenizer.decode_bytes([t]))
             for t in range(self.n_vocab)
         ]
-        quotes = [t for t, b in enumerate(table) if b'"' in b]
-        brackets = [t for t, b in enumerate(table) if b"[" in b]
+        kinds = TokenKinds.of(table)
         with self._lock:
-            self.quotes = np.array(quotes, dtype=np.int64)
-            self.brackets = np.array(brackets, dtype=np.int64)
+            self.token_kinds = kinds
             self._token_bytes = table
 
     def token_bytes(self, token: int) -> bytes:
@@ -267,7 +272,7 @@ class Constraints:
             kept = self._kept.get(grammar)
         if kept is None:  # pushed out by other grammars in between
             kept = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
-        rules = _rules_of(grammar)
+        rules = rules_of(grammar)
         if rules:
             self._learn_token_bytes()
         return Constraint(kept.deep_copy(), self, UniqueWatch(rules) if rules else None)
@@ -325,8 +330,7 @@ class Constraint:
         if self._matcher.is_error():
             allowed[:] = False
         elif self._watch is not None:
-            owner = self.owner
-            self._watch.refuse_in(allowed, owner.token_bytes, owner.quotes, owner.brackets)
+            self._watch.refuse_in(allowed, self.owner.token_bytes, self.owner.token_kinds)
         return allowed
 
 

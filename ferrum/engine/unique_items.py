@@ -13,7 +13,8 @@ can never leave the output without a way on, and hands the engine one rule per a
                                                  no new item starts once all are used
 
 A step names where the array sits: {"key": K}, {"index": true} (any item of an array),
-{"pattern": R} (a key R matches, Python's `re.search`), {"other": [keys], "patterns": [R]}
+{"pattern": R} (a key R matches, as JSON Schema's `pattern` matches: ECMA-262, unanchored),
+{"other": [keys], "patterns": [R]}
 (a key outside both: additionalProperties).
 
 Items compare as JSON Schema compares them: by decoded value, 1 equal to 1.0, true not 1.
@@ -23,12 +24,13 @@ trusts the grammar for validity and only tracks where each value is.
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jsonschema_rs
 import numpy as np
 
 _WHITESPACE = frozenset(b" \t\r\n")
@@ -57,8 +59,14 @@ class Rule:
 
     @classmethod
     def from_json(cls, rule: dict[str, Any]) -> Rule:
+        """The rule; ValueError where a step's pattern is not a regex."""
         values = rule.get("values")
-        return cls(tuple(rule["path"]), None if values is None else tuple(values))
+        path = tuple(rule["path"])
+        for step in path:
+            for pattern in [step.get("pattern"), *step.get("patterns", ())]:
+                if pattern is not None:
+                    key_matches(pattern, "")
+        return cls(path, None if values is None else tuple(values))
 
     def matches(self, path: Sequence[str | int]) -> bool:
         return len(path) == len(self.path) and all(
@@ -72,12 +80,36 @@ def _step_matches(step: dict[str, Any], at: str | int) -> bool:
     if "key" in step:
         return bool(step["key"] == at)
     if "pattern" in step:
-        return re.search(step["pattern"], at) is not None
+        return key_matches(step["pattern"], at)
     if "other" in step:
         return at not in step["other"] and not any(
-            re.search(p, at) for p in step.get("patterns", ())
+            key_matches(p, at) for p in step.get("patterns", ())
         )
     return False
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(pattern: str) -> Any:
+    return jsonschema_rs.validator_for({"pattern": pattern})
+
+
+def key_matches(pattern: str, key: str) -> bool:
+    """Whether a key matches a `patternProperties` pattern as the validators judge it
+    (ECMA-262 regex, unanchored: Python's `re` differs, `$` before a newline for one);
+    ValueError for a pattern that is not a regex."""
+    try:
+        validator = _pattern(pattern)
+    except jsonschema_rs.ValidationError as exc:
+        raise ValueError(f"{pattern!r} is not a regex") from exc
+    return bool(validator.is_valid(key))
+
+
+def spelling(value: Any) -> str:
+    """How llguidance writes a fixed value: JSON, numbers as the plain decimal with the
+    fewest digits (1e16 as 10000000000000000, 1e-7 as 0.0000001, 1.0 as 1)."""
+    if isinstance(value, float):
+        return str(np.format_float_positional(value, trim="-"))
+    return json.dumps(value)
 
 
 @dataclass
@@ -134,25 +166,43 @@ class UniqueWatch:
         self._state = state
 
     def refuse_in(
-        self,
-        allowed: np.ndarray,
-        token_bytes: Callable[[int], bytes],
-        quotes: np.ndarray,
-        brackets: np.ndarray,
+        self, allowed: np.ndarray, token_bytes: Callable[[int], bytes], kinds: TokenKinds
     ) -> None:
         """Clears the allowed tokens whose bytes this watch refuses, trying only those that
         can matter: inside a fixed-set array every allowed one; inside a free-string array
-        those with a quote (only a closing quote completes an item); elsewhere those with a
-        bracket (a watched array must open within the token for it to break a rule there)."""
+        those with a quote (only a closing quote completes an item); under a watched array
+        those with a quote, bracket, brace or comma (the way back to it); elsewhere those
+        with a bracket (a watched array must open within the token to break a rule)."""
+        stack = self._state.stack
         rule = self.watching
         if rule is not None and rule.values is not None:
             candidates = np.flatnonzero(allowed)
         else:
-            risky = quotes if rule is not None else brackets
+            under = any(f.rule is not None for f in stack)
+            risky = kinds.quotes if rule is not None else (
+                kinds.structural if under else kinds.brackets
+            )  # fmt: skip
             candidates = risky[allowed[risky]]
         for token in candidates:
             if not self.admits(token_bytes(int(token))):
                 allowed[token] = False
+
+
+@dataclass(frozen=True)
+class TokenKinds:
+    """Ids of a vocabulary's tokens by the bytes a watch reacts to."""
+
+    quotes: np.ndarray  # with a quote
+    brackets: np.ndarray  # with an opening bracket
+    structural: np.ndarray  # with any of " [ ] { } ,
+
+    @classmethod
+    def of(cls, table: Sequence[bytes]) -> TokenKinds:
+        def having(chars: bytes) -> np.ndarray:
+            ids = [t for t, b in enumerate(table) if any(c in b for c in chars)]
+            return np.array(ids, dtype=np.int64)
+
+        return cls(having(b'"'), having(b"["), having(b'"[]{},'))
 
 
 def _run(state: _State, data: bytes, rules: tuple[Rule, ...]) -> bool:
@@ -256,7 +306,7 @@ def _could_be(item: bytes, values: tuple[Any, ...], seen: frozenset[tuple[Any, .
     unused = [v for v in values if canon(v) not in seen]
     if item[:1] != b'"':
         text = item.decode("ascii", "replace")
-        return any(not isinstance(v, str) and json.dumps(v).startswith(text) for v in unused)
+        return any(not isinstance(v, str) and spelling(v).startswith(text) for v in unused)
     whole, pending = _split_pending(item[1:])
     try:
         written = str(json.loads(b'"' + whole + b'"'))

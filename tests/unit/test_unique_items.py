@@ -18,14 +18,16 @@ import random
 from typing import Any
 
 import jsonschema
+import jsonschema_rs
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ferrum.api.prompting.schema_unique import unique_rules
-from ferrum.engine.constraint import Unenforceable, to_grammar, with_unique
-from ferrum.engine.unique_items import Rule, UniqueWatch
+from ferrum.engine.constraint import Unenforceable, rules_of, to_grammar, with_unique
+from ferrum.engine.unique_items import Rule, TokenKinds, UniqueWatch
 from tests.factories import EOS, N_VOCAB, FakeRunner, FakeVocab, fake_app
 
 pytestmark = pytest.mark.unit
@@ -46,7 +48,10 @@ REFS = {
                                                           "items": {"$ref": "#/$defs/Color"}}},
     "anyOf": [{"$ref": "#/$defs/Set"}, {"type": "null"}],
 }  # fmt: skip
-SCHEMAS = [FREE, FIXED, NESTED, REFS]
+# Numbers as llguidance spells them: 1e16 as 10000000000000000, 1e-7 as 0.0000001.
+NUMBERS = {"type": "array", "items": {"enum": [1e16, 1e-7, 2.5, -3]}, "uniqueItems": True,
+           "minItems": 1}  # fmt: skip
+SCHEMAS = [FREE, FIXED, NESTED, REFS, NUMBERS]
 
 
 def _grammar(schema: dict[str, Any]) -> str:
@@ -145,7 +150,7 @@ def _write(grammar: str, rng: random.Random, limit: int = 400) -> tuple[bytes, s
     return bytes(out), "length"
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["free", "fixed", "nested", "refs"])
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["free", "fixed", "nested", "refs", "numbers"])
 def test_a_random_writer_never_gets_stuck_and_what_it_finishes_validates(schema):
     grammar, rng, ends = _grammar(schema), random.Random(7), set()
     for _ in range(150):
@@ -182,6 +187,17 @@ def test_without_the_watch_the_same_writer_repeats_items():
         ({"$defs": {"t": {"type": "array", "items": {"$ref": "#/$defs/t"}, "uniqueItems": True}},
           "$ref": "#/$defs/t"}, ".$ref", ""),
         ({"properties": {"a": {"$ref": "other.json#/x"}, "b": FREE}}, ".properties.a", "$ref"),
+        # a recursion whose arrays are one $ref away from the definition that recurses
+        ({"$defs": {"T": FREE, "N": {"properties": {"tags": {"$ref": "#/$defs/T"}, "kids": {
+            "type": "array", "items": {"$ref": "#/$defs/N"}}}}}, "$ref": "#/$defs/N"},
+         ".$ref.properties.kids.items", "recursive"),
+        # the same place may hold a fixed array of repeats: a rule would hold it back
+        ({"anyOf": [{"properties": {"v": {**FIXED, "items": {"enum": ["a", "b"]}}}},
+                    {"properties": {"v": {"const": ["a", "a"]}}}]}, ".anyOf[0].properties.v",
+         "another array schema"),
+        ({**FIXED, "items": {"enum": ["a", "b"]}, "allOf": [{"minItems": 3}]}, "",
+         "only 2 distinct"),
+        ({"patternProperties": {"(x": FREE}}, "", "not a regex"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_enforced_is_refused_by_place(schema, where, says):
@@ -243,3 +259,38 @@ def test_tool_parameters_with_unique_items_are_refused_naming_the_function():
         assert error["param"] == "tools[0].function.parameters", error
         assert "uniqueItems" in error["message"]
         assert client.post("/v1/chat/completions", json=body | {"tool_choice": "auto"}).is_success
+
+
+def test_keys_match_patterns_as_json_schema_does():
+    """ECMA-262 regexes, as the validators read them: `$` does not match before a trailing
+    newline (Python's `re` would), and `\\p{L}` is a letter class (Python's `re` refuses it)."""
+    schema = {"patternProperties": {"^a$": {"type": "string"}, "^\\p{L}+$": FREE},
+              "additionalProperties": FREE}  # fmt: skip
+    for text in (b'{"a\\n": ["x", "x"]}', b'{"\xc3\xa9": ["x", "x"]}', b'{"1": ["x", "x"]}'):
+        assert _first_refusal(_watch(schema), text, []) is not None, text
+        once = json.loads(text.replace(b'"x", "x"', b'"x"'))
+        assert jsonschema_rs.validator_for(schema).is_valid(once), once
+
+
+def test_only_a_grammar_made_with_rules_carries_them():
+    assert rules_of(to_grammar("choice", ["x_ferrum_unique"])) == ()
+    assert rules_of('{"grammars": [], "x_ferrum_unique": "no"}') == ()
+    assert len(rules_of(_grammar(FREE))) == 1
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+            "guided_choice": ["x_ferrum_unique"]}  # fmt: skip
+    with TestClient(fake_app()) as client:
+        r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "x_ferrum_unique"
+
+
+
+def test_a_token_that_climbs_back_into_a_watched_array_is_tried():
+    """Deep inside a watched array (an object item, which `{}` beside it allows), a token that
+    closes the object and writes a repeat is refused from a mask too."""
+    watch = _watch({"anyOf": [FIXED, {}]})
+    watch.feed(b'[true, {"k": [1')
+    table = [b"]", b"]},true]", b"]}]", b"2"]
+    allowed = np.ones(len(table), dtype=bool)
+    watch.refuse_in(allowed, table.__getitem__, TokenKinds.of(table))
+    assert allowed.tolist() == [True, False, True, True]

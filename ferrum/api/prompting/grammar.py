@@ -48,10 +48,10 @@ from ferrum.api.prompting.schema_unique import unique_rules
 from ferrum.api.prompting.tool_calls import ToolFormat
 from ferrum.api.prompting.tool_request import Function, ToolRequest
 from ferrum.engine.constraint import (
-    UNIQUE_KEY,
     Unenforceable,
     lark_json,
     refusal_reason,
+    rules_of,
     to_grammar,
     with_unique,
 )
@@ -200,7 +200,7 @@ class GrammarBuilder:
                 if f in chosen:
                     # Each schema alone first, so that a refusal names its function.
                     param = f"tools[{i}].function.parameters"
-                    if UNIQUE_KEY in self.for_schema(f.parameters, param):
+                    if rules_of(self.for_schema(f.parameters, param)):
                         raise GrammarRefused(
                             f"{param}: uniqueItems is enforced in response formats, not yet "
                             "inside tool calls, so the schema is refused rather than the "

@@ -20,6 +20,7 @@ through `additionalProperties`; `$ref`, `allOf`, `anyOf` and `oneOf` keep the pl
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import jsonschema_rs
 
 from ferrum.api.prompting.schema_recursion import local_target
 from ferrum.engine.constraint import Unenforceable
-from ferrum.engine.unique_items import Rule, canon
+from ferrum.engine.unique_items import Rule, canon, key_matches
 
 # Walk steps allowed: $refs can fan out (one definition used from many places), so a schema
 # whose places multiply past this is refused rather than walked for long.
@@ -37,6 +38,7 @@ _BOUNDING = {
     "maxLength", "pattern", "format", "enum", "const", "allOf", "anyOf", "oneOf", "not", "$ref",
     "if", "then", "else", "contentEncoding", "contentMediaType",
 }  # fmt: skip
+_REF = re.compile(r'"\$ref": "((?:[^"\\]|\\.)*)"')
 _NOT_ENFORCED = (
     'uniqueItems is enforced only over free strings ({"type": "string"} without maxLength, '
     "pattern or format) and over a fixed set of values (enum, const, boolean, null)"
@@ -60,6 +62,14 @@ def unique_rules(schema: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str,
             raise Unenforceable(
                 f"uniqueItems: another array schema ({clash.where or 'the root'}) may describe "
                 "the same place, and a rule for one would hold back the other",
+                rule.where,
+            )
+    for rule in walk.rules:
+        least = max((b.node["minItems"] for b in walk.bounds if b.overlaps(rule)), default=0)
+        if rule.values is not None and least > len(rule.values):
+            raise Unenforceable(
+                f"uniqueItems with minItems {least} (here or at the same place): only "
+                f"{len(rule.values)} distinct values exist",
                 rule.where,
             )
     for rule in walk.rules:
@@ -98,6 +108,7 @@ class _Walk:
     root: dict[str, Any]
     rules: list[_Place] = field(default_factory=list)
     arrays: list[_Place] = field(default_factory=list)
+    bounds: list[_Place] = field(default_factory=list)  # nodes with a minItems
     visits: int = 0
 
     def visit(self, node: Any, where: str, path: _Path, refs: tuple[str, ...]) -> None:
@@ -110,6 +121,8 @@ class _Walk:
             self.rules.append(_Place(where, path, node, self._values(node, where)))
         if _is_array(node):
             self.arrays.append(_Place(where, path, node))
+        if isinstance(node.get("minItems"), int | float):
+            self.bounds.append(_Place(where, path, node))
         self._children(node, where, path, refs)
         if isinstance(node.get("$ref"), str):
             self._follow(node["$ref"], where, path, refs)
@@ -122,6 +135,10 @@ class _Walk:
         for key, sub in (props if isinstance(props, dict) else {}).items():
             self.visit(sub, f"{where}.properties.{key}", (*path, {"key": key}), refs)
         for pattern, sub in (patterns if isinstance(patterns, dict) else {}).items():
+            try:
+                key_matches(pattern, "")
+            except ValueError as exc:
+                raise Unenforceable(f"uniqueItems: {exc} the validators read", where) from exc
             self.visit(
                 sub, f"{where}.patternProperties.{pattern}", (*path, {"pattern": pattern}), refs
             )
@@ -150,10 +167,26 @@ class _Walk:
                 )
             return
         if ref in refs:
-            if "uniqueItems" in json.dumps(target):
+            if self._reaches_unique(target):
                 raise Unenforceable("uniqueItems inside a recursive $ref", where)
             return
         self.visit(target, f"{where}.$ref", path, (*refs, ref))
+
+    def _reaches_unique(self, node: Any) -> bool:
+        """Whether `uniqueItems` stands in `node` or in anything its $refs lead to."""
+        seen: set[str] = set()
+        todo = [node]
+        while todo:
+            text = json.dumps(todo.pop())
+            if '"uniqueItems"' in text:
+                return True
+            for quoted in _REF.findall(text):
+                ref = json.loads(f'"{quoted}"')
+                target = local_target(self.root, ref)
+                if ref not in seen and target is not None:
+                    seen.add(ref)
+                    todo.append(target)
+        return False
 
     def _values(self, node: dict[str, Any], where: str) -> list[Any] | None:
         """The rule's fixed set of values, None for free strings; Unenforceable otherwise."""
@@ -167,19 +200,20 @@ class _Walk:
         values = _fixed_set(items)
         if values is None:
             raise Unenforceable(_NOT_ENFORCED, where)
-        least = node.get("minItems", 0)
-        if isinstance(least, int | float) and least > len(values):
-            raise Unenforceable(
-                f"uniqueItems with minItems {least}: only {len(values)} distinct values exist",
-                where,
-            )
         return values
 
 
 def _is_array(node: dict[str, Any]) -> bool:
+    """Whether the node may describe an array (by type, array keywords, or a fixed array)."""
     kind = node.get("type")
     kinds = kind if isinstance(kind, list) else [kind]
-    return "array" in kinds or any(k in node for k in ("items", "prefixItems", "contains"))
+    enum = node.get("enum")
+    fixed = [node["const"]] if "const" in node else enum if isinstance(enum, list) else []
+    return (
+        "array" in kinds
+        or any(k in node for k in ("items", "prefixItems", "contains"))
+        or any(isinstance(v, list) for v in fixed)
+    )
 
 
 def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
