@@ -13,6 +13,7 @@ can never leave the output without a way on, and hands the engine one rule per a
                                                  no new item starts once all are used
 
 A step names where the array sits: {"key": K}, {"index": true} (any item of an array),
+{"at": I} and {"from": I} (a tuple's item, the items after a tuple),
 {"pattern": R} (a key R matches, as JSON Schema's `pattern` matches: ECMA-262, unanchored),
 {"other": [keys], "patterns": [R]}
 (a key outside both: additionalProperties).
@@ -35,6 +36,7 @@ import numpy as np
 
 _WHITESPACE = frozenset(b" \t\r\n")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_LITERALS = {b"t": ("b", True), b"f": ("b", False), b"n": ("z",)}
 
 
 def canon(value: Any) -> tuple[Any, ...]:
@@ -74,16 +76,22 @@ class Rule:
         )
 
 
+class EscapedKey(str):
+    """A key written with an escape (`"\\u0062"`): llguidance's grammar matches property
+    names by their spelling, so it takes such a key for an additional property."""
+
+
 def _step_matches(step: dict[str, Any], at: str | int) -> bool:
     if isinstance(at, int):
-        return bool(step.get("index"))
+        return bool(step.get("index")) or step.get("at") == at or step.get("from", at + 1) <= at
     if "key" in step:
-        return bool(step["key"] == at)
+        return not isinstance(at, EscapedKey) and bool(step["key"] == at)
     if "pattern" in step:
         return key_matches(step["pattern"], at)
     if "other" in step:
-        return at not in step["other"] and not any(
-            key_matches(p, at) for p in step.get("patterns", ())
+        patterns = step.get("patterns", ())
+        return isinstance(at, EscapedKey) or (
+            at not in step["other"] and not any(key_matches(p, at) for p in patterns)
         )
     return False
 
@@ -101,7 +109,7 @@ def key_matches(pattern: str, key: str) -> bool:
         validator = _pattern(pattern)
     except jsonschema_rs.ValidationError as exc:
         raise ValueError(f"{pattern!r} is not a regex") from exc
-    return bool(validator.is_valid(key))
+    return bool(validator.is_valid(str(key)))
 
 
 def spelling(value: Any) -> str:
@@ -162,20 +170,28 @@ class UniqueWatch:
 
     def feed(self, data: bytes) -> None:
         state = self._state.copy()
-        _run(state, data, self._rules)  # bytes the grammar took: kept even if refused here
+        for byte in data:  # bytes the grammar took: every one kept, even one refused here
+            _byte(state, byte, self._rules)
         self._state = state
 
     def refuse_in(
         self, allowed: np.ndarray, token_bytes: Callable[[int], bytes], kinds: TokenKinds
     ) -> None:
         """Clears the allowed tokens whose bytes this watch refuses, trying only those that
-        can matter: inside a fixed-set array every allowed one; inside a free-string array
-        those with a quote (only a closing quote completes an item); under a watched array
+        can matter: inside a fixed-set array (or while another branch's number or literal is
+        written in a free-string array) every allowed one; inside a free-string array those
+        with a quote (only a closing quote completes an item); under a watched array
         those with a quote, bracket, brace or comma (the way back to it); elsewhere those
         with a bracket (a watched array must open within the token to break a rule)."""
         stack = self._state.stack
         rule = self.watching
-        if rule is not None and rule.values is not None:
+        top = stack[-1] if stack else None
+        # Beside free strings, another branch's numbers and literals (rare): all tried too.
+        other = top is not None and rule is not None and (
+            (top.in_item and top.item[:1] != b'"')
+            or any(literal in top.seen for literal in _LITERALS.values())
+        )
+        if rule is not None and (rule.values is not None or other):
             candidates = np.flatnonzero(allowed)
         else:
             under = any(f.rule is not None for f in stack)
@@ -271,7 +287,9 @@ def _string_byte(state: _State, top: _Frame | None, byte: int) -> bool:
     if ends:
         state.in_string = False
         if top is not None and not top.is_array and top.expects_key:
-            state.stack[-1] = replace(top, key=json.loads(b'"' + state.text + b'"'))
+            key = json.loads(b'"' + state.text + b'"')
+            spelled = EscapedKey(key) if b"\\" in state.text else key
+            state.stack[-1] = replace(top, key=spelled)
     elif top is not None and not top.is_array and top.expects_key:
         state.text += bytes((byte,))
     return True
@@ -285,7 +303,12 @@ def _item_byte(state: _State, top: _Frame, byte: int) -> bool:
     state.stack[-1] = top = replace(top, item=item, in_item=True)
     if item[:1] == b'"' and len(item) > 1 and not state.in_string:  # the string closed
         return _end_item(state)
-    return rule.values is None or _could_be(item, rule.values, top.seen)
+    if rule.values is None:
+        # Free strings. Another branch may write true, false or null here: a repeat of one is
+        # refused at its first byte, since once begun it cannot become anything else.
+        literal = _LITERALS.get(item[:1])
+        return literal is None or literal not in top.seen
+    return _could_be(item, rule.values, top.seen)
 
 
 def _end_item(state: _State) -> bool:
@@ -343,8 +366,13 @@ def _next_char_fits(rest: str, pending: bytes) -> bool:
     ch = rest[0]
     if not pending.startswith(b"\\"):
         return ch.encode()[: len(pending)] == pending
-    unit = ord(ch) if ord(ch) < 0x10000 else 0xD800 + ((ord(ch) - 0x10000) >> 10)
-    return f"u{unit:04x}".startswith(pending[1:].decode("ascii", "replace").lower())
+    # llguidance escapes only a quote, a backslash and control characters (\n, \u001f, \u007f)
+    control = ord(ch) < 0x20 or ord(ch) == 0x7F
+    if pending == b"\\":
+        return ch in '"\\/' or control
+    return control and f"u{ord(ch):04x}".startswith(
+        pending[1:].decode("ascii", "replace").lower()
+    )
 
 
 def _escape_complete(tail: bytes) -> bool:

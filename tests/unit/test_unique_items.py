@@ -51,7 +51,13 @@ REFS = {
 # Numbers as llguidance spells them: 1e16 as 10000000000000000, 1e-7 as 0.0000001.
 NUMBERS = {"type": "array", "items": {"enum": [1e16, 1e-7, 2.5, -3]}, "uniqueItems": True,
            "minItems": 1}  # fmt: skip
-SCHEMAS = [FREE, FIXED, NESTED, REFS, NUMBERS]
+# A tuple's place by its index; a branch that writes any JSON (`{}`) beside a watched array.
+TUPLE = {"type": "array", "prefixItems": [{"type": "array"}, FREE], "items": FIXED}
+OPEN = {"anyOf": [{"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}, {}]}
+OPEN_FREE = {"type": "array", "items": {"anyOf": [
+    {"items": {"type": "string"}, "uniqueItems": True, "type": ["array", "null"]},
+    {"description": "any JSON"}]}}  # fmt: skip
+SCHEMAS = [FREE, FIXED, NESTED, REFS, NUMBERS, TUPLE, OPEN, OPEN_FREE]
 
 
 def _grammar(schema: dict[str, Any]) -> str:
@@ -78,8 +84,9 @@ def _first_refusal(watch: UniqueWatch, text: bytes, cuts: list[int]) -> int | No
     return None
 
 
-def _dumps(value: Any, spaced: bool) -> bytes:
-    return json.dumps(value, indent=1 if spaced else None, ensure_ascii=not spaced).encode()
+def _dumps(value: Any, spaced: bool, ascii_only: bool | None = None) -> bytes:
+    ascii_only = not spaced if ascii_only is None else ascii_only
+    return json.dumps(value, indent=1 if spaced else None, ensure_ascii=ascii_only).encode()
 
 
 values = st.one_of(st.text(max_size=6), st.sampled_from(COLORS))
@@ -94,16 +101,17 @@ def test_distinct_free_strings_are_never_refused(items, spaced, data):
 
 @given(st.lists(st.sampled_from(COLORS), max_size=8), st.booleans(), st.data())
 def test_a_duplicate_is_refused_where_it_is_written(items, spaced, data):
+    # A fixed value is written as llguidance writes it: UTF-8, escapes only where JSON must.
     distinct = list({json.dumps(v): v for v in items}.values())
-    assert _first_refusal(_watch(FIXED), _dumps(distinct, spaced), []) is None
+    assert _first_refusal(_watch(FIXED), _dumps(distinct, spaced, False), []) is None
     if len(distinct) == len(items):
         return
-    text = _dumps(items, spaced)
+    text = _dumps(items, spaced, False)
     refused = _first_refusal(_watch(FIXED), text, list(range(len(text))))
     # Where the first repeat is written: between its first and last byte.
     seen, at = set(), 0
     for value in items:
-        piece = json.dumps(value, ensure_ascii=not spaced).encode()
+        piece = json.dumps(value, ensure_ascii=False).encode()
         at = text.index(piece, at)
         if json.dumps(value) in seen:
             break
@@ -150,7 +158,11 @@ def _write(grammar: str, rng: random.Random, limit: int = 400) -> tuple[bytes, s
     return bytes(out), "length"
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["free", "fixed", "nested", "refs", "numbers"])
+@pytest.mark.parametrize(
+    "schema",
+    SCHEMAS,
+    ids=["free", "fixed", "nested", "refs", "numbers", "tuple", "open", "open-free"],
+)
 def test_a_random_writer_never_gets_stuck_and_what_it_finishes_validates(schema):
     grammar, rng, ends = _grammar(schema), random.Random(7), set()
     for _ in range(150):
@@ -198,6 +210,12 @@ def test_without_the_watch_the_same_writer_repeats_items():
         ({**FIXED, "items": {"enum": ["a", "b"]}, "allOf": [{"minItems": 3}]}, "",
          "only 2 distinct"),
         ({"patternProperties": {"(x": FREE}}, "", "not a regex"),
+        # values llguidance would write back as other values, or narrow by its own reading
+        ({**FIXED, "items": {"enum": [1e23]}}, "", "only over free strings"),
+        ({**FIXED, "items": {"enum": [2**53 + 1]}}, "", "only over free strings"),
+        ({**FIXED, "items": {"enum": ["2020-01-01", "x"], "format": "date"}}, "", "free strings"),
+        ({**FREE, "const": ["a", "a"]}, "", "no instance"),
+        ({**FREE, "enum": [["a", "a"], ["b", "b"]]}, "", "no instance"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_enforced_is_refused_by_place(schema, where, says):
@@ -294,3 +312,30 @@ def test_a_token_that_climbs_back_into_a_watched_array_is_tried():
     allowed = np.ones(len(table), dtype=bool)
     watch.refuse_in(allowed, table.__getitem__, TokenKinds.of(table))
     assert allowed.tolist() == [True, False, True, True]
+
+
+def test_enum_arrays_beside_the_keyword_lose_their_repeats_and_need_no_watch():
+    plain, rules = unique_rules(copy.deepcopy({**FREE, "enum": [["a", "a"], ["b"], "s"]}))
+    assert rules == [] and plain["enum"] == [["b"], "s"] and "uniqueItems" not in plain
+
+
+def test_a_tuple_item_is_watched_at_its_own_index_only():
+    watch = _watch(TUPLE)
+    assert _first_refusal(watch, b'[["x", "x"], ["y"], "a", 3]', []) is None
+    assert _first_refusal(_watch(TUPLE), b'[[], ["y", "y"]]', []) is not None
+    assert _first_refusal(_watch(TUPLE), b'[[], [], ["re", "re"]]', []) is not None
+
+
+def test_a_key_spelled_with_an_escape_is_an_additional_property_as_llguidance_reads_it():
+    schema = {"properties": {"b": {"type": "array", "items": {"enum": ["x"]}}},
+              "additionalProperties": {**FIXED, "items": {"enum": ["x", "y"]}}}  # fmt: skip
+    assert _first_refusal(_watch(schema), b'{"\\u0062": ["x", "y"]}', []) is None
+    assert _first_refusal(_watch(schema), b'{"\\u0062": ["x", "x"]}', []) is not None
+    assert _first_refusal(_watch(schema), b'{"b": ["x", "x"]}', []) is None  # not watched
+
+
+def test_a_fixed_value_starts_with_an_escape_only_where_llguidance_writes_one():
+    assert not _watch({**FIXED, "items": {"enum": ["a", '"']}}).admits(b'["\\u00')  # a as a
+    watch = _watch({**FIXED, "items": {"enum": ["a", "\n", '"']}})
+    assert watch.admits(b'["\\n"') and watch.admits(b'["\\u000') and watch.admits(b'["\\"')
+

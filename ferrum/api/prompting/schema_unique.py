@@ -28,7 +28,7 @@ import jsonschema_rs
 
 from ferrum.api.prompting.schema_recursion import local_target
 from ferrum.engine.constraint import Unenforceable
-from ferrum.engine.unique_items import Rule, canon, key_matches
+from ferrum.engine.unique_items import Rule, canon, key_matches, spelling
 
 # Walk steps allowed: $refs can fan out (one definition used from many places), so a schema
 # whose places multiply past this is refused rather than walked for long.
@@ -37,6 +37,18 @@ _MAX_VISITS = 20_000
 _BOUNDING = {
     "maxLength", "pattern", "format", "enum", "const", "allOf", "anyOf", "oneOf", "not", "$ref",
     "if", "then", "else", "contentEncoding", "contentMediaType",
+}  # fmt: skip
+# JSON Schema's validation and applicator keywords (2020-12 and draft-04's): what a fixed set's
+# item schema may not hold beyond type, enum and const.
+_VALIDATION = {
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "contentEncoding",
+    "contentMediaType", "contentSchema", "items", "prefixItems", "additionalItems", "contains",
+    "maxItems", "minItems", "uniqueItems", "maxContains", "minContains", "required",
+    "properties", "patternProperties", "additionalProperties", "dependentRequired",
+    "dependentSchemas", "dependencies", "propertyNames", "maxProperties", "minProperties",
+    "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+    "unevaluatedItems", "unevaluatedProperties",
 }  # fmt: skip
 _REF = re.compile(r'"\$ref": "((?:[^"\\]|\\.)*)"')
 _NOT_ENFORCED = (
@@ -92,8 +104,15 @@ class _Place:
 
 def _steps_meet(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether one key or index could stand at both steps (patterns against patterns: yes)."""
-    if a.get("index") or b.get("index"):
-        return bool(a.get("index") and b.get("index"))
+    indexed = [s for s in (a, b) if {"index", "at", "from"} & set(s)]
+    if indexed:
+        if len(indexed) < 2:
+            return False
+        if "at" in a and "at" in b:
+            return bool(a["at"] == b["at"])
+        if "at" in b:
+            a, b = b, a
+        return "at" not in a or Rule((b,), None).matches([a["at"]])
     if "key" in a and "key" in b:
         return bool(a["key"] == b["key"])
     if "key" in b:
@@ -117,7 +136,9 @@ class _Walk:
         self.visits += 1
         if self.visits > _MAX_VISITS:
             raise Unenforceable("uniqueItems: the schema's $refs lead to too many places", where)
-        if node.get("uniqueItems") is True:
+        if node.get("uniqueItems") is True and ("enum" in node or "const" in node):
+            _fixed_arrays(node, where)  # the grammar writes one of them whole: no rule
+        elif node.get("uniqueItems") is True:
             self.rules.append(_Place(where, path, node, self._values(node, where)))
         if _is_array(node):
             self.arrays.append(_Place(where, path, node))
@@ -146,12 +167,8 @@ class _Walk:
         self.visit(
             node.get("additionalProperties"), f"{where}.additionalProperties", (*path, other), refs
         )
-        index = (*path, {"index": True})
-        for key in ("items", "additionalItems", "prefixItems"):
-            subs = node.get(key)
-            for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
-                suffix = f"[{i}]" if isinstance(subs, list) else ""
-                self.visit(sub, f"{where}.{key}{suffix}", index, refs)
+        for key, sub, step in _item_schemas(node):
+            self.visit(sub, f"{where}.{key}", (*path, step), refs)
         for key in ("allOf", "anyOf", "oneOf"):
             subs = node.get(key)
             for i, sub in enumerate(subs if isinstance(subs, list) else []):
@@ -203,6 +220,36 @@ class _Walk:
         return values
 
 
+def _fixed_arrays(node: dict[str, Any], where: str) -> None:
+    """`uniqueItems` beside `enum`/`const`, in place: the arrays with a repeat leave the
+    enum, and the keyword goes (what is left already has distinct items); no value left, or
+    a `const` array with a repeat, has no instance and is refused."""
+    def distinct(v: Any) -> bool:
+        return not isinstance(v, list) or len({canon(x) for x in v}) == len(v)
+
+    if "const" in node and not distinct(node["const"]):
+        raise Unenforceable("uniqueItems beside a const array with a repeat: no instance", where)
+    if isinstance(node.get("enum"), list):
+        node["enum"] = [v for v in node["enum"] if distinct(v)]
+        if not node["enum"]:
+            raise Unenforceable("uniqueItems: every enum array has a repeat: no instance", where)
+    del node["uniqueItems"]
+
+
+def _item_schemas(node: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(keyword and index, subschema, the instance step it applies at) for each schema of an
+    array's items: a tuple's place by its index, the rest from the first index after it."""
+    out: list[tuple[str, Any, dict[str, Any]]] = []
+    tuples = [k for k in ("prefixItems", "items") if isinstance(node.get(k), list)]
+    fixed = len(node[tuples[0]]) if tuples else 0
+    for key in tuples:
+        out += [(f"{key}[{i}]", sub, {"at": i}) for i, sub in enumerate(node[key])]
+    for key in ("items", "additionalItems"):
+        if isinstance(node.get(key), dict | bool):
+            out.append((key, node[key], {"from": fixed} if fixed else {"index": True}))
+    return out
+
+
 def _is_array(node: dict[str, Any]) -> bool:
     """Whether the node may describe an array (by type, array keywords, or a fixed array)."""
     kind = node.get("type")
@@ -218,7 +265,12 @@ def _is_array(node: dict[str, Any]) -> bool:
 
 def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
     """The distinct scalar values items of this schema can take, or None when not a fixed
-    set (or when it refers elsewhere: the values are checked against the schema alone)."""
+    set the watch can follow: only `enum`, `const` and `type` may narrow it (llguidance
+    enforces `format`, `pattern` and the rest by its own reading, which a value list made
+    here could miss), and every value must be written back as itself (llguidance writes
+    numbers as f64 decimals: 1e23 would come back as the integer 10**23)."""
+    if set(items) & _VALIDATION - {"type", "enum", "const"}:
+        return None
     if "enum" in items and isinstance(items["enum"], list):
         candidates = list(items["enum"])
     elif "const" in items:
@@ -229,7 +281,7 @@ def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
         candidates = [None]
     else:
         return None
-    if "$ref" in json.dumps(items) or any(isinstance(v, dict | list) for v in candidates):
+    if any(isinstance(v, dict | list) or not _written_back(v) for v in candidates):
         return None
     validator = jsonschema_rs.validator_for(items)
     kept: dict[tuple[Any, ...], Any] = {}
@@ -237,3 +289,11 @@ def _fixed_set(items: dict[str, Any]) -> list[Any] | None:
         if validator.is_valid(value):
             kept.setdefault(canon(value), value)
     return list(kept.values())
+
+
+def _written_back(value: Any) -> bool:
+    """Whether llguidance's spelling of a value reads back as the same value and type."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+        return False
+    back = json.loads(spelling(value))
+    return canon(back) == canon(value) and type(back) in (type(value), int, float)
