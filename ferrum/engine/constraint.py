@@ -3,7 +3,9 @@ per constrained sequence.
 
     source (JSON Schema, regex, choice, Lark or GBNF) ──to_grammar──▶ llguidance grammar text
     grammar text ──Constraints.check (preparation thread)──▶ compiled matcher, kept by text
-    kept matcher ──Constraints.matcher (engine thread, a deep copy)──▶ Constraint, one a sequence
+                                                              (with its uniqueItems rules)
+    kept matcher ──Constraints.constraint (engine thread, a deep copy)──▶ Constraint, one a
+                                                              sequence (and a UniqueWatch)
 
 No llama.cpp here: a model's vocabulary builds the llguidance tokenizer (`engine/llama/vocab.py`
 from llama.cpp's vocabulary, the tests' fake from bytes) and hands it to `Constraints`.
@@ -20,10 +22,16 @@ Rules for a sampler using a Constraint: a token reaches `accept` only after `all
 an end-of-generation token is allowed only when the grammar is complete (`is_accepting`) and
 is never consumed (the output ends there).
 
+JSON Schema's `uniqueItems`, which llguidance lacks, travels in the grammar text as rules
+(`with_unique`, key UNIQUE_KEY, which llguidance ignores) and is enforced beside the matcher
+by a `UniqueWatch` (`unique_items.py`): `allows` asks both, and a mask is the matcher's with
+the tokens the watch refuses cleared (in Python, with the GIL, on the tokens that can matter).
+
 Masks of one engine step come together: `allowed_together` fills the rows of every sequence
 that needs one in a single call on llguidance's thread pool, without the GIL (the rows share
-one bitmask array). A mask on SmolLM2's vocabulary takes ~5-10 µs and handing rows to the pool
-~15 µs, so a few rows keep the plain call (which also runs without the GIL) one at a time.
+one bitmask array; the watches' part follows, one row at a time). A mask on SmolLM2's
+vocabulary takes ~5-10 µs and handing rows to the pool ~15 µs, so a few rows keep the plain
+call (which also runs without the GIL) one at a time.
 """
 
 from __future__ import annotations
@@ -214,7 +222,8 @@ class Constraints:
         self.tokenizer = tokenizer
         self.n_vocab: int = tokenizer.vocab_size
         self.end_tokens = np.array(sorted(set(end_tokens)), dtype=np.int64)
-        self._kept: SizedLRU[str, Any] = SizedLRU(_KEPT, kept_bytes)
+        # Each grammar text's compiled matcher and its uniqueItems rules.
+        self._kept: SizedLRU[str, tuple[Any, tuple[Rule, ...]]] = SizedLRU(_KEPT, kept_bytes)
         self._lock = threading.Lock()
         self.compile_s = 0.0  # seconds spent compiling, for the tests and metrics
         self._executor: Any = None  # the thread pool of `allowed_together`, made on first use
@@ -239,10 +248,11 @@ class Constraints:
         self.compile_s += time.monotonic() - start
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
-        if rules_of(grammar):
+        rules = rules_of(grammar)
+        if rules:
             self._learn_token_bytes()
         with self._lock:
-            self._kept.put(grammar, matcher, _BYTES_PER_CHAR * len(grammar))
+            self._kept.put(grammar, (matcher, rules), _BYTES_PER_CHAR * len(grammar))
 
     def _learn_token_bytes(self) -> None:
         """Every token's bytes (end tokens none), and which hold the bytes a uniqueItems watch
@@ -271,11 +281,12 @@ class Constraints:
         with self._lock:
             kept = self._kept.get(grammar)
         if kept is None:  # pushed out by other grammars in between
-            kept = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
-        rules = rules_of(grammar)
-        if rules:
-            self._learn_token_bytes()
-        return Constraint(kept.deep_copy(), self, UniqueWatch(rules) if rules else None)
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
+            kept = (matcher, rules_of(grammar))
+            if kept[1]:
+                self._learn_token_bytes()
+        matcher, rules = kept
+        return Constraint(matcher.deep_copy(), self, UniqueWatch(rules) if rules else None)
 
     @property
     def kept_bytes(self) -> int:

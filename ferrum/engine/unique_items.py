@@ -12,11 +12,15 @@ can never leave the output without a way on, and hands the engine one rule per a
                                                  item must lead to a value not yet used, and
                                                  no new item starts once all are used
 
-A step names where the array sits: {"key": K}, {"index": true} (any item of an array),
-{"at": I} and {"from": I} (a tuple's item, the items after a tuple),
-{"pattern": R} (a key R matches, as JSON Schema's `pattern` matches: ECMA-262, unanchored),
-{"other": [keys], "patterns": [R]}
-(a key outside both: additionalProperties).
+A step names where the array sits: {"key": K}; {"index": true} (any item of an array);
+{"at": I} and {"from": I} (a tuple's I-th item, the items after a tuple of I); {"pattern": R}
+(a key R matches as JSON Schema's `pattern` does: ECMA-262, unanchored); {"other": [keys],
+"patterns": [R]} (any other key: additionalProperties). A key written with an escape counts as
+an additional property, as llguidance's grammar reads it.
+
+Where a branch that allows any JSON describes the same array, a free-string array may also
+receive numbers and true/false/null: a repeated one is refused where it ends (a number can
+always go on instead) or, for a literal, at its first byte.
 
 Items compare as JSON Schema compares them: by decoded value, 1 equal to 1.0, true not 1.
 The watch follows the output's structure byte by byte (keys, indices, strings, escapes); it
@@ -72,7 +76,7 @@ class Rule:
 
     def matches(self, path: Sequence[str | int]) -> bool:
         return len(path) == len(self.path) and all(
-            _step_matches(step, at) for step, at in zip(self.path, path, strict=True)
+            step_matches(step, at) for step, at in zip(self.path, path, strict=True)
         )
 
 
@@ -81,7 +85,7 @@ class EscapedKey(str):
     names by their spelling, so it takes such a key for an additional property."""
 
 
-def _step_matches(step: dict[str, Any], at: str | int) -> bool:
+def step_matches(step: dict[str, Any], at: str | int) -> bool:
     if isinstance(at, int):
         return bool(step.get("index")) or step.get("at") == at or step.get("from", at + 1) <= at
     if "key" in step:
@@ -120,7 +124,7 @@ def spelling(value: Any) -> str:
     return json.dumps(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Frame:
     """An open object or array: where it is, and for a watched array what its items were."""
 
@@ -145,7 +149,7 @@ class _State:
     stack: list[_Frame] = field(default_factory=list)
     in_string: bool = False
     escaped: bool = False
-    text: bytes = b""  # the current key's bytes, while one is written
+    key_text: bytes = b""  # the current key's bytes, while one is written
 
     def copy(self) -> _State:
         return replace(self, stack=list(self.stack))
@@ -166,35 +170,28 @@ class UniqueWatch:
         return stack[-1].rule if stack and stack[-1].is_array else None
 
     def admits(self, data: bytes) -> bool:
-        return _run(self._state.copy(), data, self._rules)
+        state, rules = self._state.copy(), self._rules
+        return all(_byte(state, byte, rules) for byte in data)
 
     def feed(self, data: bytes) -> None:
-        state = self._state.copy()
-        for byte in data:  # bytes the grammar took: every one kept, even one refused here
-            _byte(state, byte, self._rules)
-        self._state = state
+        """Takes bytes the grammar took (`admits` said yes to them first)."""
+        for byte in data:
+            _byte(self._state, byte, self._rules)
 
     def refuse_in(
         self, allowed: np.ndarray, token_bytes: Callable[[int], bytes], kinds: TokenKinds
     ) -> None:
         """Clears the allowed tokens whose bytes this watch refuses, trying only those that
-        can matter: inside a fixed-set array (or while another branch's number or literal is
-        written in a free-string array) every allowed one; inside a free-string array those
-        with a quote (only a closing quote completes an item); under a watched array
-        those with a quote, bracket, brace or comma (the way back to it); elsewhere those
-        with a bracket (a watched array must open within the token to break a rule)."""
-        stack = self._state.stack
+        can matter: in a fixed-set array every allowed one; in a free-string array, inside a
+        string those with a quote (only a closing quote ends it), between items every
+        allowed one (few there, and another branch's number or literal may begin); under a
+        watched array those with a quote, bracket, brace or comma (the way back to it);
+        elsewhere those with a bracket (a watched array must open within the token)."""
         rule = self.watching
-        top = stack[-1] if stack else None
-        # Beside free strings, another branch's numbers and literals (rare): all tried too.
-        other = top is not None and rule is not None and (
-            (top.in_item and top.item[:1] != b'"')
-            or any(literal in top.seen for literal in _LITERALS.values())
-        )
-        if rule is not None and (rule.values is not None or other):
+        if rule is not None and (rule.values is not None or not self._state.in_string):
             candidates = np.flatnonzero(allowed)
         else:
-            under = any(f.rule is not None for f in stack)
+            under = any(f.rule is not None for f in self._state.stack)
             risky = kinds.quotes if rule is not None else (
                 kinds.structural if under else kinds.brackets
             )  # fmt: skip
@@ -221,22 +218,16 @@ class TokenKinds:
         return cls(having(b'"'), having(b"["), having(b'"[]{},'))
 
 
-def _run(state: _State, data: bytes, rules: tuple[Rule, ...]) -> bool:
-    """Takes `data` into `state`; False at the first byte that breaks a rule (the state is
-    then left part-way and must be dropped by an `admits`)."""
-    return all(_byte(state, byte, rules) for byte in data)
-
-
 def _byte(state: _State, byte: int, rules: tuple[Rule, ...]) -> bool:
     top = state.stack[-1] if state.stack else None
     if state.in_string:
         return _string_byte(state, top, byte)
-    if top is not None and top.rule is not None and top.in_item and not _is_structural(byte):
+    if top is not None and top.rule is not None and top.in_item and not _closes_item(byte):
         if byte in _WHITESPACE:
             return _end_item(state)
         return _item_byte(state, top, byte)
     if byte == _QUOTE:
-        state.in_string, state.escaped, state.text = True, False, b""
+        state.in_string, state.escaped, state.key_text = True, False, b""
         if top is not None and top.rule is not None:
             return _item_byte(state, top, byte)
         return True
@@ -260,7 +251,7 @@ def _byte(state: _State, byte: int, rules: tuple[Rule, ...]) -> bool:
     return True
 
 
-def _is_structural(byte: int) -> bool:
+def _closes_item(byte: int) -> bool:
     return byte in b",]}"
 
 
@@ -273,7 +264,7 @@ def _next_item(state: _State, top: _Frame) -> bool:
     top = state.stack[-1]
     state.stack[-1] = replace(top, index=top.index + 1)
     if top.rule is not None and top.rule.values is not None:
-        return any(canon(v) not in top.seen for v in top.rule.values)  # one value left
+        return any(canon(v) not in top.seen for v in top.rule.values)  # a value still unused
     return True
 
 
@@ -287,11 +278,11 @@ def _string_byte(state: _State, top: _Frame | None, byte: int) -> bool:
     if ends:
         state.in_string = False
         if top is not None and not top.is_array and top.expects_key:
-            key = json.loads(b'"' + state.text + b'"')
-            spelled = EscapedKey(key) if b"\\" in state.text else key
+            key = json.loads(b'"' + state.key_text + b'"')
+            spelled = EscapedKey(key) if b"\\" in state.key_text else key
             state.stack[-1] = replace(top, key=spelled)
     elif top is not None and not top.is_array and top.expects_key:
-        state.text += bytes((byte,))
+        state.key_text += bytes((byte,))
     return True
 
 
@@ -370,9 +361,7 @@ def _next_char_fits(rest: str, pending: bytes) -> bool:
     control = ord(ch) < 0x20 or ord(ch) == 0x7F
     if pending == b"\\":
         return ch in '"\\/' or control
-    return control and f"u{ord(ch):04x}".startswith(
-        pending[1:].decode("ascii", "replace").lower()
-    )
+    return control and f"u{ord(ch):04x}".startswith(pending[1:].decode("ascii", "replace").lower())
 
 
 def _escape_complete(tail: bytes) -> bool:

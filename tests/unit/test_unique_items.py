@@ -89,14 +89,26 @@ def _dumps(value: Any, spaced: bool, ascii_only: bool | None = None) -> bytes:
     return json.dumps(value, indent=1 if spaced else None, ensure_ascii=ascii_only).encode()
 
 
-values = st.one_of(st.text(max_size=6), st.sampled_from(COLORS))
-
-
 @given(st.lists(st.text(max_size=6), unique=True, max_size=6), st.booleans(), st.data())
 def test_distinct_free_strings_are_never_refused(items, spaced, data):
     text = _dumps(items, spaced)
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
     assert _first_refusal(_watch(FREE), text, cuts) is None
+
+
+@given(st.lists(st.text(max_size=6), min_size=1, unique=True, max_size=5), st.booleans(),
+       st.data())  # fmt: skip
+def test_a_repeated_free_string_is_refused_at_its_closing_quote_however_cut(items, spaced, data):
+    repeat = data.draw(st.sampled_from(items))
+    text = _dumps([*items, repeat], spaced)
+    closing = len(text) - len(b"]") - (len(b"\n") if spaced else 0) - 1  # its last quote
+    assert text[closing : closing + 1] == b'"', text
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
+    refused = _first_refusal(_watch(FREE), text, cuts)
+    pieces = sorted({0, *cuts, len(text)})
+    spans = zip(pieces, pieces[1:], strict=False)
+    held = next(start for start, end in spans if start <= closing < end)
+    assert refused == held, (text, cuts, refused, held)
 
 
 @given(st.lists(st.sampled_from(COLORS), max_size=8), st.booleans(), st.data())
@@ -302,7 +314,6 @@ def test_only_a_grammar_made_with_rules_carries_them():
     assert r.json()["choices"][0]["message"]["content"] == "x_ferrum_unique"
 
 
-
 def test_a_token_that_climbs_back_into_a_watched_array_is_tried():
     """Deep inside a watched array (an object item, which `{}` beside it allows), a token that
     closes the object and writes a repeat is refused from a mask too."""
@@ -338,4 +349,3 @@ def test_a_fixed_value_starts_with_an_escape_only_where_llguidance_writes_one():
     assert not _watch({**FIXED, "items": {"enum": ["a", '"']}}).admits(b'["\\u00')  # a as a
     watch = _watch({**FIXED, "items": {"enum": ["a", "\n", '"']}})
     assert watch.admits(b'["\\n"') and watch.admits(b'["\\u000') and watch.admits(b'["\\"')
-

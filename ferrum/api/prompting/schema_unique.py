@@ -3,32 +3,39 @@ the JSON is written (`engine/unique_items.py`), where that can never leave an ou
 
     items {"type": "string"} (minLength aside, nothing that bounds the string)
         a duplicate is refused at its closing quote; the string can always go on instead
-    items from a fixed set: enum, const, {"type": "boolean"}, {"type": "null"}
+    items from a fixed set: enum, const, {"type": "boolean"}, {"type": "null"}, narrowed
+    by nothing else
         an item may only head for a value not yet used, and no new item starts once every
-        value is used (minItems above the number of values: no instance, refused)
+        value is used (minItems above the number of values, here or at the same place: no
+        instance, refused)
+    enum or const arrays beside the keyword
+        rewritten exactly: the arrays with a repeat leave the enum; no rule
 
 Anywhere else the keyword is refused by place (`Unenforceable`): items of any other kind, an
 array inside a recursive $ref, a $ref that is not a local pointer, and an array place another
-array schema may also describe (anyOf branches, patterns), where a rule could hold back an
-array that does not need it.
+array schema may also describe (anyOf branches, patterns, tuples), where a rule could hold
+back an array that does not need it. A branch that allows any JSON (`{}`, no type) is not
+counted as such a schema: where one stands beside the keyword, its arrays are held to
+distinct items too (narrower than the schema, never invalid).
 
-A rule names the array's place in the instance: keys through `properties`, any item through
-`items`/`prefixItems`, keys a pattern matches through `patternProperties`, the other keys
-through `additionalProperties`; `$ref`, `allOf`, `anyOf` and `oneOf` keep the place.
+A rule names the array's place in the instance: keys through `properties`, items through
+`items`/`prefixItems` (a tuple's by index), keys a pattern matches through
+`patternProperties`, the other keys through `additionalProperties`; `$ref`, `allOf`, `anyOf`
+and `oneOf` keep the place.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema_rs
 
+from ferrum.api.prompting.schema_limits import walk
 from ferrum.api.prompting.schema_recursion import local_target
 from ferrum.engine.constraint import Unenforceable
-from ferrum.engine.unique_items import Rule, canon, key_matches, spelling
+from ferrum.engine.unique_items import canon, key_matches, spelling, step_matches
 
 # Walk steps allowed: $refs can fan out (one definition used from many places), so a schema
 # whose places multiply past this is refused rather than walked for long.
@@ -50,7 +57,6 @@ _VALIDATION = {
     "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "unevaluatedItems", "unevaluatedProperties",
 }  # fmt: skip
-_REF = re.compile(r'"\$ref": "((?:[^"\\]|\\.)*)"')
 _NOT_ENFORCED = (
     'uniqueItems is enforced only over free strings ({"type": "string"} without maxLength, '
     "pattern or format) and over a fixed set of values (enum, const, boolean, null)"
@@ -66,27 +72,34 @@ def unique_rules(schema: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str,
     keyword cannot be enforced."""
     if "uniqueItems" not in json.dumps(schema):
         return schema, []
-    walk = _Walk(schema)
-    walk.visit(schema, "", (), ())
-    for rule in walk.rules:
-        clash = next((a for a in walk.arrays if a.node is not rule.node and a.overlaps(rule)), None)
+    seen = _Walk(schema)
+    seen.visit(schema, "", (), ())
+    if seen.rules and seen.unfollowed:
+        ref = seen.unfollowed[0]
+        raise Unenforceable(
+            f"uniqueItems: the $ref {ref.node['$ref']!r} is not a local pointer the check can "
+            "follow, so where its arrays stand is unknown",
+            ref.where,
+        )
+    for rule in seen.rules:
+        clash = next((a for a in seen.arrays if a.node is not rule.node and a.overlaps(rule)), None)
         if clash is not None:
             raise Unenforceable(
                 f"uniqueItems: another array schema ({clash.where or 'the root'}) may describe "
                 "the same place, and a rule for one would hold back the other",
                 rule.where,
             )
-    for rule in walk.rules:
-        least = max((b.node["minItems"] for b in walk.bounds if b.overlaps(rule)), default=0)
+    for rule in seen.rules:
+        least = max((b.node["minItems"] for b in seen.bounds if b.overlaps(rule)), default=0)
         if rule.values is not None and least > len(rule.values):
             raise Unenforceable(
                 f"uniqueItems with minItems {least} (here or at the same place): only "
                 f"{len(rule.values)} distinct values exist",
                 rule.where,
             )
-    for rule in walk.rules:
+    for rule in seen.rules:
         rule.node.pop("uniqueItems", None)
-    return schema, [{"path": list(r.path), "values": r.values} for r in walk.rules]
+    return schema, [{"path": list(r.path), "values": r.values} for r in seen.rules]
 
 
 @dataclass
@@ -112,13 +125,13 @@ def _steps_meet(a: dict[str, Any], b: dict[str, Any]) -> bool:
             return bool(a["at"] == b["at"])
         if "at" in b:
             a, b = b, a
-        return "at" not in a or Rule((b,), None).matches([a["at"]])
+        return "at" not in a or step_matches(b, a["at"])
     if "key" in a and "key" in b:
         return bool(a["key"] == b["key"])
     if "key" in b:
         a, b = b, a
     if "key" in a:
-        return Rule((b,), None).matches([a["key"]])
+        return step_matches(b, a["key"])
     return True
 
 
@@ -128,6 +141,7 @@ class _Walk:
     rules: list[_Place] = field(default_factory=list)
     arrays: list[_Place] = field(default_factory=list)
     bounds: list[_Place] = field(default_factory=list)  # nodes with a minItems
+    unfollowed: list[_Place] = field(default_factory=list)  # $refs to other documents
     visits: int = 0
 
     def visit(self, node: Any, where: str, path: _Path, refs: tuple[str, ...]) -> None:
@@ -177,11 +191,7 @@ class _Walk:
     def _follow(self, ref: str, where: str, path: _Path, refs: tuple[str, ...]) -> None:
         target = local_target(self.root, ref)
         if target is None:
-            if "uniqueItems" in json.dumps(self.root):
-                raise Unenforceable(
-                    f"uniqueItems: the $ref {ref!r} is not a local pointer the check can follow",
-                    where,
-                )
+            self.unfollowed.append(_Place(where, path, {"$ref": ref}))
             return
         if ref in refs:
             if self._reaches_unique(target):
@@ -190,18 +200,19 @@ class _Walk:
         self.visit(target, f"{where}.$ref", path, (*refs, ref))
 
     def _reaches_unique(self, node: Any) -> bool:
-        """Whether `uniqueItems` stands in `node` or in anything its $refs lead to."""
+        """Whether a `uniqueItems: true` stands in `node` or anywhere its $refs lead."""
         seen: set[str] = set()
         todo = [node]
         while todo:
-            text = json.dumps(todo.pop())
-            if '"uniqueItems"' in text:
-                return True
-            for quoted in _REF.findall(text):
-                ref = json.loads(f'"{quoted}"')
+            for _, sub, _ in walk(todo.pop(), ""):
+                if sub.get("uniqueItems") is True:
+                    return True
+                ref = sub.get("$ref")
+                if not isinstance(ref, str) or ref in seen:
+                    continue
+                seen.add(ref)
                 target = local_target(self.root, ref)
-                if ref not in seen and target is not None:
-                    seen.add(ref)
+                if target is not None:
                     todo.append(target)
         return False
 
@@ -224,6 +235,7 @@ def _fixed_arrays(node: dict[str, Any], where: str) -> None:
     """`uniqueItems` beside `enum`/`const`, in place: the arrays with a repeat leave the
     enum, and the keyword goes (what is left already has distinct items); no value left, or
     a `const` array with a repeat, has no instance and is refused."""
+
     def distinct(v: Any) -> bool:
         return not isinstance(v, list) or len({canon(x) for x in v}) == len(v)
 

@@ -39,7 +39,7 @@ ARMS = {"both": (BIG, SMALL), "switch": (BIG, SMALL), "gemma": (BIG,), "smollm2"
 
 
 def per_model(samples: list[Sample], start: float, end: float) -> dict[str, float]:
-    """Tokens that arrived inside [start, end] per second, and the p99 gap among them."""
+    """Tokens that arrived after `start` up to `end` per second, and the streams' p99 gap."""
     tokens = sum(s.tokens_within(start, end) for s in samples)  # a chunk may hold several
     p99 = p99_rank(g for s in samples for g in s.gaps)
     return {"tok_s": tokens / (end - start), "p99_gap_s": float("nan") if p99 is None else p99}
