@@ -26,7 +26,8 @@ FLAVOR=default bench/build_llama_server.sh), llama-cpp-python (its server; needs
 extra), url (any OpenAI-compatible server given with --url).
 "auto" = ferrum plus every other arm available here. The first arm is the reference that
 ratios and verdicts are stated for. The engine workload always compares ferrum's decode loop
-with llama-batched-bench, whatever --arms says.
+with llama-batched-bench, whatever --arms says: with ferrum's KV pool, and with a cache per
+sequence ("llama-batched-bench streams": what the pool costs).
 """
 
 
@@ -254,10 +255,10 @@ def _meta(plan: Any, preset: str) -> dict:
         args = (plan.model, s.threads, s.ctx_size, list(s.engine_batches))
         shape = (s.engine_prompt_tokens, s.engine_tokens)
         commands["engine: ferrum"] = engine_loop.ferrum_command(*args, *shape)
-        if "llama-batched-bench" in plan.engine_sides:
-            binary = llama_cpp_build_dir() / "llama-batched-bench"
-            commands["engine: llama-batched-bench"] = engine_loop.ceiling_command(
-                binary, *args, *shape
+        binary = llama_cpp_build_dir() / "llama-batched-bench"
+        for side in plan.engine_sides[1:]:
+            commands[f"engine: {side}"] = engine_loop.ceiling_command(
+                binary, *args, *shape, pooled=side == "llama-batched-bench"
             )
     return {
         "preset": preset,

@@ -7,7 +7,9 @@ Both sides run as child processes, one at a time, on the same model, threads and
   ids and steps until they are done; decode tok/s = tokens generated after the step in which
   the last request got its first token / time since that step.
 * ceiling: `llama-batched-bench -npp P -ntg N -npl B...` (S_TG: B*N / time of the N decode
-  calls), built from the same llama.cpp by bench/build_llama_server.sh.
+  calls), built from the same llama.cpp by bench/build_llama_server.sh, with ferrum's KV
+  shape (one pool); and the same with a cache per sequence (`llama-batched-bench streams`),
+  which says what the pool itself costs.
 
 The ceiling decodes and computes logits but samples nothing and has no scheduler; ferrum's
 loop adds greedy sampling, scheduling, KV accounting and text decoding. The ratio
@@ -100,13 +102,23 @@ def _run_batch(
 
 
 def ceiling_command(
-    binary: Path, model: str, threads: int, ctx: int, batches: list[int], pp: int, tg: int
+    binary: Path,
+    model: str,
+    threads: int,
+    ctx: int,
+    batches: list[int],
+    pp: int,
+    tg: int,
+    pooled: bool = True,
 ) -> list[str]:
+    """llama-batched-bench with the KV shape ferrum's runner asks for (`pooled`: one pool
+    for every sequence, full SWA cache), or a cache per sequence as llama.cpp keeps by
+    default (what ferrum's pool costs, issue #39)."""
     t = str(threads)
     cmd = [str(binary), "-m", model, "-c", str(ctx), "-b", str(BATCH_SIZE)]
     cmd += ["-ub", str(BATCH_SIZE), "-t", t, "-tb", t]
-    # -kvu --swa-full: the KV shape ferrum's runner asks for (unified pool, full SWA cache).
-    cmd += ["-kvu", "--swa-full", "-npp", str(pp), "-ntg", str(tg)]
+    cmd += ["-kvu", "--swa-full"] if pooled else ["-no-kvu"]
+    cmd += ["-npp", str(pp), "-ntg", str(tg)]
     return [*cmd, "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
 
 

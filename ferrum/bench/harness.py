@@ -34,7 +34,9 @@ from ferrum.bench.prompts import PromptSource
 from ferrum.bench.settings import BenchSettings
 from ferrum.bench.workloads import WORKLOADS, Context
 
-ENGINE_ARMS = ("ferrum", "llama-batched-bench")
+# The engine workload's sides: ferrum's loop, llama.cpp's with ferrum's KV pool, and with a
+# cache per sequence.
+ENGINE_ARMS = ("ferrum", "llama-batched-bench", "llama-batched-bench streams")
 SEED = "ferrum-bench"
 
 
@@ -47,7 +49,7 @@ class Plan:
     port: int
     out: Path
     notes: list[str] = field(default_factory=list)  # arms left out and why, etc.
-    engine_sides: tuple[str, ...] = ENGINE_ARMS  # the engine workload's two (or one) sides
+    engine_sides: tuple[str, ...] = ENGINE_ARMS  # the engine workload's sides (or ferrum only)
 
     @property
     def base(self) -> str:
@@ -196,7 +198,7 @@ def measure_engine(plan: Plan, side: str, round_no: int) -> dict:
         runner = engine_loop.run_ferrum
     else:
         binary = llama_cpp_build_dir() / "llama-batched-bench"
-        cmd = engine_loop.ceiling_command(binary, *args, *shape)
+        cmd = engine_loop.ceiling_command(binary, *args, *shape, pooled=side == "llama-batched-bench")
         runner = engine_loop.run_ceiling
     record["command"] = cmd
     record["quiet_check"] = machine.wait_quiet(s.quiet_threshold, s.quiet_wait_s)

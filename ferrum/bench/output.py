@@ -58,7 +58,8 @@ def describe(workload: str, s: BenchSettings) -> str:
             f"{s.engine_prompt_tokens} random prompt tokens for {s.engine_tokens} decode steps, "
             f"against llama.cpp's llama-batched-bench (S_TG, same model, threads and KV shape) "
             f"at B = {batches}. The ceiling samples nothing; ferrum / ceiling is what sampling, "
-            f"scheduling and text cost."
+            f"scheduling and text cost. `llama-batched-bench streams` keeps a cache per "
+            f"sequence instead of ferrum's one pool: the pool's own cost."
         )
     raise ValueError(workload)
 

@@ -229,3 +229,15 @@ def test_longctx_sends_unrelated_long_prompts_at_once_and_reports_the_whole_work
     prompts = [x.prompt for x in raw["samples"]]
     assert len(prompts) == QUICK.longctx_clients == len(set(prompts))
     assert metrics["tps"] > 0 and metrics["wall_s"] > 0 and metrics["prompt_tokens"] > 300
+
+
+def test_the_ceiling_runs_with_ferrums_pool_and_with_a_cache_per_sequence():
+    from ferrum.bench.engine_loop import ceiling_command
+
+    args = (Path("bin/llama-batched-bench"), "m.gguf", 2, 4096, [1, 8], 32, 16)
+    pooled, streams = ceiling_command(*args), ceiling_command(*args, pooled=False)
+    assert "-kvu" in pooled and "--swa-full" in pooled and "-no-kvu" not in pooled
+    assert "-no-kvu" in streams and "-kvu" not in streams and "--swa-full" not in streams
+    assert [a for a in pooled if a not in ("-kvu", "--swa-full")] == [
+        a for a in streams if a != "-no-kvu"
+    ]
