@@ -198,7 +198,8 @@ def measure_engine(plan: Plan, side: str, round_no: int) -> dict:
         runner = engine_loop.run_ferrum
     else:
         binary = llama_cpp_build_dir() / "llama-batched-bench"
-        cmd = engine_loop.ceiling_command(binary, *args, *shape, pooled=side == "llama-batched-bench")
+        pooled = side == "llama-batched-bench"  # the other ceiling keeps a cache per sequence
+        cmd = engine_loop.ceiling_command(binary, *args, *shape, pooled=pooled)
         runner = engine_loop.run_ceiling
     record["command"] = cmd
     record["quiet_check"] = machine.wait_quiet(s.quiet_threshold, s.quiet_wait_s)
