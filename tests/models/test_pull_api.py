@@ -130,7 +130,7 @@ def test_pulls_run_two_at_a_time_off_the_default_pool(hub: FakeHub, tmp_path: Pa
 
         hub.hold(65536)
         results = http.portal.call(three_pulls_then_tags)
-        assert [status for status, _ in results] == [200] * 3
+        assert [status for status, _ in results] == [200] * 3, results
         assert len(store.list()) == 3
 
 
