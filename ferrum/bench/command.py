@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--study",
         help="run one study instead of the workloads: burst, stalls, soak, embeddings, "
         "structured, models, speculation, speculation-agreement, speculation-gate, tiers, "
-        "cluster, kernels, router, lora, kvtypes",
+        "cluster, kernels, router, lora, kvtypes, residency",
     )
     p.add_argument(
         "--tree", action="append", default=[], metavar="NAME=PATH",

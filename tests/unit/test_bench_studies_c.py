@@ -1,8 +1,10 @@
-"""The pure parts of the lora and kvtypes studies: the client mix, each server's flags and
-request fields, the reports, the generated adapters' shapes and sizes, llama-server's KV log
-line and the pairs table (no servers)."""
+"""The pure parts of the lora, kvtypes and residency studies: the client mix, each server's
+flags and request fields, the reports, the generated adapters' shapes and sizes, llama-server's
+KV log line, the pairs table, the budget's cells and the residency count (no servers)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import gguf
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 
 from ferrum.bench import lora_files
 from ferrum.bench.client import Sample
-from ferrum.bench.studies import StudyRun, kvtypes, load, lora
+from ferrum.bench.studies import StudyRun, kvtypes, load, lora, residency
 from tests.tiny_models import write_tiny_llama
 
 
@@ -194,3 +196,54 @@ def test_kvtypes_gives_every_client_a_slot_past_eight(tmp_path):
     assert kvtypes._parallel(run(None)) == "8"
     assert kvtypes._parallel(run("1")) == "8"
     assert kvtypes._parallel(run("32")) == "32"
+
+
+def test_residency_buys_cells_by_the_types_bytes_and_counts_a_turn_resident():
+    assert residency.budget_cells(23040, 256) == 11520  # SmolLM2 f16, multiple of 256
+    assert residency.budget_cells(12240, 256) == 21760  # q8_0
+    with pytest.raises(ValueError, match="KV size"):
+        residency.budget_cells(0, 256)
+    assert residency.how_many(11520, 1130) == 11520 // 1506 + 3
+    assert residency.resident(2000, 2000 - residency.SLACK)
+    assert not residency.resident(2000, 2000 - residency.SLACK - 1)
+    assert load("residency").arms == ("ferrum f16", "ferrum q8_0", "llama-server-default f16",
+                                      "llama-server-default q8_0")  # fmt: skip
+
+
+class _Pool:
+    """A server whose KV pool keeps the `room` most recently used conversations whole."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.kept = room, []  # least recently used first
+
+    async def ask(self, http, prompt: str, max_tokens: int) -> Sample:
+        hit = next((k for k in self.kept if prompt.startswith(k)), "")
+        if hit:
+            self.kept.remove(hit)
+        answer = "Fine."
+        self.kept = (self.kept + [prompt + answer])[-self.room :]
+        words, cached = len(prompt.split()), len(hit.split())
+        return Sample(prompt, max_tokens, chunk_times=[0.1], text=answer, prompt_tokens=words,
+                      cached_tokens=cached)  # fmt: skip
+
+
+@pytest.mark.parametrize("room", [1, 3, 5])
+def test_residency_counts_conversations_until_a_later_turn_misses(tmp_path, monkeypatch, room):
+    """Conversations are added one at a time, each followed by a later turn of all so far:
+    the count is the pool's room, and `most` when the room is never exceeded."""
+
+    class NoClient:
+        async def __aenter__(self):
+            return None
+
+        async def __aexit__(self, *exc):
+            return False
+
+    pool = _Pool(room)
+    monkeypatch.setattr(residency, "ask", pool.ask)
+    monkeypatch.setattr(residency, "http_client", lambda url, timeout: NoClient())
+    options = {"own_words": "40", "shared_words": "10"}
+    run = StudyRun("residency", tmp_path, 2, 2, True, None, options=options, hygiene=None)
+    got = asyncio.run(residency._conversations(run, "http://x", 4, seed=1))
+    assert got["resident"] == min(room, 4)
+    assert got["first_ttft"] == pytest.approx(0.1)

@@ -38,6 +38,7 @@ STUDIES = {
     "router": "router",
     "lora": "lora",
     "kvtypes": "kvtypes",
+    "residency": "residency",
     "vision": "vision",
 }
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -193,11 +194,13 @@ def measure(run: StudyRun, arm: str, round_no: int) -> dict[str, float]:
     return got
 
 
-def pairs(records: list[dict[str, Any]], arm_list: list[str]) -> str:
+def pairs(
+    records: list[dict[str, Any]], arm_list: list[str], metrics: tuple[Metric, ...] = METRICS
+) -> str:
     """Each ferrum arm against each other server at its type, and against `ferrum f16`: the
     paired ratio per round and the verdict over the ranges, as a Markdown table."""
     lines = ["| metric | A ÷ B | A ÷ B, per round | A's verdict |", "|---|---|---|---|"]
-    for m in METRICS:
+    for m in metrics:
         for a in arm_list:
             server, kv = parse_arm(a)
             if server != "ferrum":
@@ -216,24 +219,31 @@ def pairs(records: list[dict[str, Any]], arm_list: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(run: StudyRun) -> int:
-    """The arms of `--set types=` (or `--arms`) alternated over the rounds, then the pairs
-    (ferrum ÷ llama-server at each type, each type ÷ f16) appended to results.md."""
-    import json
+def main_of(
+    study: Study, measure_arm: Callable[[StudyRun, str, int], dict[str, float]], types: str
+) -> Callable[[StudyRun], int]:
+    """A study's main over `SERVER TYPE` arms: the arms of `--set types=` (default `types`) or
+    `--arms`, alternated over the rounds by `measure_arm`, then the pairs (ferrum ÷
+    llama-server at each type, each type ÷ f16) appended to results.md."""
 
-    from ferrum.bench.studies import run_study
+    def main(run: StudyRun) -> int:
+        import json
 
-    chosen = run.arms or arms(run.option("types", "f16,q8_0,q4_0"))
-    for arm in chosen:
-        parse_arm(arm)
-    code = run_study(replace(run, arms=chosen), replace(STUDY, measure=measure, main=None))
-    records = json.loads((run.out / "rounds.json").read_text())["records"]
-    table = pairs(records, chosen)
-    (run.out / "pairs.md").write_text(table)
-    with open(run.out / "results.md", "a") as md:
-        md.write(f"\n## Pairs\n\n{table}")
-    print(f"\n{table}", end="")
-    return code
+        from ferrum.bench.studies import run_study
+
+        chosen = run.arms or arms(run.option("types", types))
+        for arm in chosen:
+            parse_arm(arm)
+        code = run_study(replace(run, arms=chosen), replace(study, measure=measure_arm, main=None))
+        records = json.loads((run.out / "rounds.json").read_text())["records"]
+        table = pairs(records, chosen, study.metrics)
+        (run.out / "pairs.md").write_text(table)
+        with open(run.out / "results.md", "a") as md:
+            md.write(f"\n## Pairs\n\n{table}")
+        print(f"\n{table}", end="")
+        return code
+
+    return main
 
 
 STUDY = Study(
@@ -241,5 +251,5 @@ STUDY = Study(
     title="KV cache types f16, q8_0, q4_0: decode, prefill, KV bytes per token",
     arms=tuple(arms("f16,q8_0,q4_0")),
     metrics=METRICS,
-    main=main,
 )
+STUDY = replace(STUDY, main=main_of(STUDY, measure, "f16,q8_0,q4_0"))

@@ -34,7 +34,7 @@ from statistics import median
 
 import httpx
 
-from ferrum.bench.client import http_client, stream_body
+from ferrum.bench.client import Sample, http_client, stream_body
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
@@ -78,12 +78,17 @@ def _server(run: StudyRun, arm: str, cache_dir: Path) -> ServerProcess:
     return run.llama_server(arm, model, "-np", PARALLEL, "-c", CTX)
 
 
-async def _ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, str, int]:
-    """(TTFT, text, cached prompt tokens where the server says) of one streamed request."""
+async def ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
+    """One streamed greedy completion of `prompt`, its usage asked for."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "repetition_penalty": 1.0, "repeat_penalty": 1.0,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    sample = await stream_body(http, "/v1/completions", body)
+    return await stream_body(http, "/v1/completions", body)
+
+
+async def _ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, str, int]:
+    """(TTFT, text, cached prompt tokens where the server says) of one streamed request."""
+    sample = await ask(http, prompt, max_tokens)
     return sample.ttft_s or 0.0, sample.text, sample.cached_tokens or 0
 
 
