@@ -247,3 +247,15 @@ def test_residency_counts_conversations_until_a_later_turn_misses(tmp_path, monk
     got = asyncio.run(residency._conversations(run, "http://x", 4, seed=1))
     assert got["resident"] == min(room, 4)
     assert got["first_ttft"] == pytest.approx(0.1)
+
+
+def test_an_arm_named_alt_runs_on_the_other_interpreter(tmp_path):
+    from ferrum.bench.studies.speculation import alt_python
+
+    run = StudyRun("kvtypes", tmp_path, 2, 2, True, None, options={"alt-python": "/v/bin/python"},
+                   hygiene=None)  # fmt: skip
+    assert alt_python(run, "ferrum none alt f16") == "/v/bin/python"
+    assert alt_python(run, "ferrum ngram alt") == "/v/bin/python"
+    assert alt_python(run, "ferrum f16") is None
+    assert alt_python(run, "ferrum alternate f16") is None  # a word, not a substring
+    assert kvtypes.parse_arm("ferrum alt q8_0") == ("ferrum alt", "q8_0")

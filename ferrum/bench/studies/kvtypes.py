@@ -23,7 +23,8 @@ Per arm and round, on a fresh server (after one unmeasured request):
   (default 256): arithmetic on the measured figure, not a residency test.
 
 An arm `ferrum none TYPE` is ferrum with speculation off (`--spec-type none`), as
-llama-server runs by default.
+llama-server runs by default; `ferrum alt TYPE` runs on the interpreter `--set
+alt-python=PATH` names (a venv with another llama.cpp build).
 
     ferrum bench --study kvtypes [--rounds 4] [--set types=f16,q8_0] [--set clients=8]
 """
@@ -43,7 +44,7 @@ from ferrum.bench.rounds import Metric, per_round
 from ferrum.bench.stats import Spread, paired_ratio, verdict
 from ferrum.bench.studies import Study, StudyRun
 from ferrum.bench.studies.burst import WORDS
-from ferrum.bench.studies.speculation import ferrum_flags
+from ferrum.bench.studies.speculation import alt_python, ferrum_flags
 from ferrum.bench.studies.tiers import document, turn
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 
@@ -148,7 +149,8 @@ def _parallel(run: StudyRun) -> str:
 def _ferrum(run: StudyRun, arm: str, model: str, kv: str) -> ServerProcess:
     return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
                       "--parallel", _parallel(run), "--ctx-size", CTX, "--cache-dir",
-                      str(run.out / "kv"), *server_flags(True, kv, parse_arm(arm)[0]))  # fmt: skip
+                      str(run.out / "kv"), *server_flags(True, kv, parse_arm(arm)[0]),
+                      python=alt_python(run, arm))  # fmt: skip
 
 
 def _llama(run: StudyRun, arm: str, model: str, kv: str, *more: str) -> ServerProcess:

@@ -42,6 +42,7 @@ from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
 from ferrum.bench.studies.kvtypes import MIB, main_of, parse_arm, server_flags
+from ferrum.bench.studies.speculation import alt_python
 from ferrum.bench.studies.tiers import WORDS, ask, document, turn
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
 from ferrum.models.memory import kv_bytes_per_token
@@ -90,7 +91,7 @@ def _server(run: StudyRun, arm: str, kv: str, cells: int, count: int) -> ServerP
         return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
                           "--parallel", FERRUM_PARALLEL, "--ctx-size", str(cells),
                           "--cache-ram", "0", "--cache-disk", "0", "--cache-dir",
-                          str(run.out / "kv"), *kv_flags)  # fmt: skip
+                          str(run.out / "kv"), *kv_flags, python=alt_python(run, arm))  # fmt: skip
     flavor = "default" if arm.startswith("llama-server-default") else "same"
     return run.llama_server(arm, model, "-np", str(count), "-c", str(cells), "--kv-unified",
                             "--cache-ram", "0", "-sps", "0.5", *server_flags(False, kv),

@@ -96,6 +96,12 @@ def ferrum_flags(arm: str) -> list[str]:
     return flags + (["--spec-recent", "0"] if "own" in words else [])
 
 
+def alt_python(run: StudyRun, arm: str) -> str | None:
+    """The interpreter of a ferrum arm whose name holds the word `alt`: `--set alt-python=`
+    (a venv with another llama.cpp build); None (this one) for any other arm."""
+    return run.option("alt-python", sys.executable) if "alt" in arm.split() else None
+
+
 def llama_server_mode(arm: str) -> tuple[str, list[str]]:
     """(build flavor, flags) of a `llama-server [default] MODE` arm."""
     words = arm.split()[1:]
@@ -126,10 +132,9 @@ def metric_keys(cell_list: list[tuple[str, int]]) -> list[str]:
 
 def _server(run: StudyRun, arm: str, model: str) -> ServerProcess:
     if run.is_ferrum(arm):
-        python = run.option("alt-python", sys.executable) if arm.endswith(" alt") else None
         return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
                           "--parallel", "8", "--ctx-size", "8192", "--cache-disk", "0",
-                          *ferrum_flags(arm), python=python)  # fmt: skip
+                          *ferrum_flags(arm), python=alt_python(run, arm))  # fmt: skip
     flavor, flags = llama_server_mode(arm)
     return run.llama_server(arm, model, "-np", "8", "-c", "8192", *flags, flavor=flavor)
 
