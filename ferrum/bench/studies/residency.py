@@ -28,7 +28,9 @@ Metrics: `resident`, conversations that all found their histories before the fir
 `later_ttft` (those later turns) and `first_ttft`, medians; `conversations`, the most
 allowed; `cells`, the pool.
 
-    ferrum bench --study residency [--rounds 3] [--set types=f16,q8_0] [--set budget_mib=256]
+`--quick`: 48 MiB, ~130-token header, ~400 tokens of notes each (a few minutes).
+
+    ferrum bench --study residency [--rounds 4] [--set types=f16,q8_0] [--set budget_mib=256]
 """
 
 from __future__ import annotations
@@ -98,11 +100,16 @@ def _server(run: StudyRun, arm: str, kv: str, cells: int, count: int) -> ServerP
                             flavor=flavor)  # fmt: skip
 
 
+def _own_words(run: StudyRun) -> int:
+    return run.option("own_words", 300 if run.quick else 1130)
+
+
 def _opening(run: StudyRun, seed: int, c: int) -> str:
     """Conversation `c`'s history before its first question: the shared header, its notes."""
-    notes = document(seed * 1000 + c, run.option("own_words", 1130))
+    notes = document(seed * 1000 + c, _own_words(run))
+    shared = header(run.option("shared_words", 100 if run.quick else 380))
     return (
-        f"{header(run.option('shared_words', 380))}<|im_start|>user\nMy notes {seed}.{c}: "
+        f"{shared}<|im_start|>user\nMy notes {seed}.{c}: "
         f"{notes}<|im_end|>\n<|im_start|>assistant\nNoted.<|im_end|>\n"
     )
 
@@ -140,8 +147,9 @@ async def _conversations(run: StudyRun, url: str, most: int, seed: int) -> dict[
 def measure(run: StudyRun, arm: str, round_no: int) -> dict[str, float]:
     model = run.model or builtin_path(DEFAULT_CHAT_MODEL)
     kv = parse_arm(arm)[1]
-    cells = budget_cells(kv_bytes_per_token(model, kv, kv), run.option("budget_mib", 256.0))
-    count = run.option("conversations", 0) or how_many(cells, run.option("own_words", 1130))
+    budget = run.option("budget_mib", 48.0 if run.quick else 256.0)
+    cells = budget_cells(kv_bytes_per_token(model, kv, kv), budget)
+    count = run.option("conversations", 0) or how_many(cells, _own_words(run))
     server = _server(run, arm, kv, cells, count)
     try:
         got = asyncio.run(_conversations(run, server.url, count, round_no))
