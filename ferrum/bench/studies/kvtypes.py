@@ -153,10 +153,14 @@ def _ferrum(run: StudyRun, arm: str, model: str, kv: str) -> ServerProcess:
                       python=alt_python(run, arm))  # fmt: skip
 
 
-def _llama(run: StudyRun, arm: str, model: str, kv: str, *more: str) -> ServerProcess:
+def llama(
+    run: StudyRun, arm: str, model: str, kv: str, *more: str, slots: str = "", cells: str = CTX
+) -> ServerProcess:
+    """llama-server for a `SERVER TYPE` arm: one KV pool of `cells`, `slots` slots (default:
+    `_parallel`), the arm's cell type."""
     flavor = "default" if arm.startswith("llama-server-default") else "same"
-    return run.llama_server(arm, model, "-np", _parallel(run), "-c", CTX, "--kv-unified",
-                            *server_flags(False, kv), *more, flavor=flavor)  # fmt: skip
+    pool = ["-np", slots or _parallel(run), "-c", cells, "--kv-unified"]
+    return run.llama_server(arm, model, *pool, *server_flags(False, kv), *more, flavor=flavor)
 
 
 def _ferrum_bytes(health: dict[str, Any], kv: str) -> float:
@@ -170,7 +174,7 @@ def _ferrum_bytes(health: dict[str, Any], kv: str) -> float:
 
 
 def _llama_bytes(run: StudyRun, arm: str, model: str, kv: str) -> float:
-    server = _llama(run, f"{arm} kv-size", model, kv, "-lv", "4")
+    server = llama(run, f"{arm} kv-size", model, kv, "-lv", "4")
     try:
         return llama_kv_bytes_per_token(server.log_path.read_text(errors="replace"))
     finally:
@@ -182,7 +186,7 @@ def measure(run: StudyRun, arm: str, round_no: int) -> dict[str, float]:
     server_kind, kv = parse_arm(arm)
     ferrum = run.is_ferrum(server_kind)
     shutil.rmtree(run.out / "kv", ignore_errors=True)
-    server = _ferrum(run, arm, model, kv) if ferrum else _llama(run, arm, model, kv)
+    server = _ferrum(run, arm, model, kv) if ferrum else llama(run, arm, model, kv)
     try:
         got, health = asyncio.run(_measure(run, server.url, round_no))
     finally:

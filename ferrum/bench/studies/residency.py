@@ -43,7 +43,7 @@ from ferrum.bench.client import http_client
 from ferrum.bench.process import ServerProcess
 from ferrum.bench.rounds import Metric
 from ferrum.bench.studies import Study, StudyRun
-from ferrum.bench.studies.kvtypes import MIB, main_of, parse_arm, server_flags
+from ferrum.bench.studies.kvtypes import MIB, llama, main_of, parse_arm, server_flags
 from ferrum.bench.studies.speculation import alt_python
 from ferrum.bench.studies.tiers import WORDS, ask, document, turn
 from ferrum.models.builtin import DEFAULT_CHAT_MODEL, builtin_path
@@ -86,18 +86,15 @@ def header(words: int) -> str:
     )
 
 
-def _server(run: StudyRun, arm: str, kv: str, cells: int, count: int) -> ServerProcess:
-    model = run.model or builtin_path(DEFAULT_CHAT_MODEL)
+def _server(run: StudyRun, arm: str, model: str, kv: str, cells: int, count: int) -> ServerProcess:
     if run.is_ferrum(arm):
         kv_flags = server_flags(True, kv, parse_arm(arm)[0])
         return run.ferrum(arm, "--models-dir", str(run.out / "m"), "--model", f"bench={model}",
                           "--parallel", FERRUM_PARALLEL, "--ctx-size", str(cells),
                           "--cache-ram", "0", "--cache-disk", "0", "--cache-dir",
                           str(run.out / "kv"), *kv_flags, python=alt_python(run, arm))  # fmt: skip
-    flavor = "default" if arm.startswith("llama-server-default") else "same"
-    return run.llama_server(arm, model, "-np", str(count), "-c", str(cells), "--kv-unified",
-                            "--cache-ram", "0", "-sps", "0.5", *server_flags(False, kv),
-                            flavor=flavor)  # fmt: skip
+    return llama(run, arm, model, kv, "--cache-ram", "0", "-sps", "0.5", slots=str(count),
+                 cells=str(cells))  # fmt: skip
 
 
 def _own_words(run: StudyRun) -> int:
@@ -150,7 +147,7 @@ def measure(run: StudyRun, arm: str, round_no: int) -> dict[str, float]:
     budget = run.option("budget_mib", 48.0 if run.quick else 256.0)
     cells = budget_cells(kv_bytes_per_token(model, kv, kv), budget)
     count = run.option("conversations", 0) or how_many(cells, _own_words(run))
-    server = _server(run, arm, kv, cells, count)
+    server = _server(run, arm, model, kv, cells, count)
     try:
         got = asyncio.run(_conversations(run, server.url, count, round_no))
     finally:

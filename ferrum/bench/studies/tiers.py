@@ -86,12 +86,6 @@ async def ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
     return await stream_body(http, "/v1/completions", body)
 
 
-async def _ask(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, str, int]:
-    """(TTFT, text, cached prompt tokens where the server says) of one streamed request."""
-    sample = await ask(http, prompt, max_tokens)
-    return sample.ttft_s or 0.0, sample.text, sample.cached_tokens or 0
-
-
 async def _multiturn(url: str, turns: int) -> dict[str, float]:
     histories = [
         f"<|im_start|>system\nYou answer questions about notes.<|im_end|>\n<|im_start|>user\n"
@@ -105,7 +99,8 @@ async def _multiturn(url: str, turns: int) -> dict[str, float]:
         for t in range(turns):
             for c in range(CONVERSATIONS):
                 prompt = turn(histories[c], f"Question {t}: what about the {WORDS[t]}?")
-                ttft, text, hit = await _ask(http, prompt, ANSWER_TOKENS)
+                sample = await ask(http, prompt, ANSWER_TOKENS)
+                ttft, text, hit = sample.ttft_s or 0.0, sample.text, sample.cached_tokens or 0
                 (first_turn if t == 0 else later).append(ttft)
                 if t:
                     cached += hit
@@ -119,13 +114,13 @@ async def _unique(url: str, seed: int, count: int) -> float:
         start = time.perf_counter()
         for i in range(count):
             doc = document(10_000 + seed * count + i, 550)
-            await _ask(http, turn("", f"Summarise: {doc}"), 16)
+            await ask(http, turn("", f"Summarise: {doc}"), 16)
         return time.perf_counter() - start
 
 
 async def _one(url: str, prompt: str) -> float:
     async with http_client(url) as http:
-        return (await _ask(http, prompt, 8))[0]
+        return (await ask(http, prompt, 8)).ttft_s or 0.0
 
 
 def _restart(run: StudyRun, arm: str, cache_dir: Path, seed: int) -> dict[str, float]:
