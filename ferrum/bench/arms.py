@@ -85,11 +85,17 @@ def make_arm(kind: str, label: str, url: str = "", eog: tuple[int, ...] = ()) ->
     raise ValueError(f"unknown arm {kind!r}; choose from {', '.join(ARM_KINDS)}")
 
 
-def server_command(arm: Arm, s: BenchSettings, model: str, port: int) -> list[str]:
+def server_command(
+    arm: Arm, s: BenchSettings, model: str, port: int, state_dir: Path | None = None
+) -> list[str]:
+    """The arm's command line. `state_dir`: ferrum's disk tier, a folder of its own per start
+    (the prompts are the same in every run, seeded by round, so the default folder would
+    serve a later run the states an earlier one saved)."""
     t, c, p = str(s.threads), str(s.ctx_size), str(port)
     if arm.kind == "ferrum":
         cmd = [sys.executable, "-m", "ferrum.cli", "serve", "--model", model, "--port", p]
         cmd += ["--threads", t, "--parallel", str(s.parallel), "--ctx-size", c]
+        cmd += ["--cache-dir", str(state_dir)] if state_dir is not None else []
         return [*cmd, "--log-level", "warning"]
     if arm.kind in LLAMA_SERVER_FLAVORS:
         binary = llama_cpp_build_dir(LLAMA_SERVER_FLAVORS[arm.kind]) / "llama-server"

@@ -247,7 +247,7 @@ def _meta(plan: Any, preset: str) -> dict:
     commands = {
         a.label: [a.url]
         if a.kind == "url"
-        else server_command(a, plan.settings, plan.model, plan.port)
+        else server_command(a, plan.settings, plan.model, plan.port, Path("OUT/kv/RUN"))
         for a in plan.arms
     }
     if "engine" in plan.workloads:

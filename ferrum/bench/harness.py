@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import shutil
 import signal
 import sys
 import time
@@ -134,8 +135,10 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
         if arm.kind != "url":
             wait_port_free(plan.port)
             record["quiet_check"] = machine.wait_quiet(s.quiet_threshold, s.quiet_wait_s)
-            cmd = server_command(arm, s, plan.model, plan.port)
-            log = plan.out / "logs" / f"{workload}-{arm.label.replace('#', '_')}-r{round_no}.log"
+            name = f"{workload}-{arm.label.replace('#', '_')}-r{round_no}"
+            state_dir = plan.out / "kv" / name
+            cmd = server_command(arm, s, plan.model, plan.port, state_dir)
+            log = plan.out / "logs" / f"{name}.log"
             record.update(command=cmd, log=str(log))
             server = ServerProcess(cmd, log, plan.port)
             record["startup_s"] = server.wait_ready(base, arm.ready_path)
@@ -158,6 +161,7 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
     finally:
         if server is not None:
             server.stop()
+            shutil.rmtree(plan.out / "kv", ignore_errors=True)
     _judge(record, s)
     return record
 

@@ -241,3 +241,43 @@ def test_the_ceiling_runs_with_ferrums_pool_and_with_a_cache_per_sequence():
     assert [a for a in pooled if a not in ("-kvu", "--swa-full")] == [
         a for a in streams if a != "-no-kvu"
     ]
+
+
+def test_every_ferrum_start_gets_an_empty_disk_tier_of_its_own(tmp_path, monkeypatch):
+    """The prompts are the same in every run (seeded by round): a ferrum arm started on the
+    default disk tier would restore what an earlier run saved. Each start gets its own folder,
+    empty, removed when the server stops."""
+    from ferrum.bench import harness
+    from ferrum.bench.arms import make_arm
+
+    seen = []
+
+    class FakeServer:
+        pid = None
+
+        def __init__(self, cmd, log_path, port):
+            folder = Path(cmd[cmd.index("--cache-dir") + 1])
+            folder.mkdir(parents=True)  # what ferrum would write there
+            seen.append((folder, sorted(p.name for p in folder.iterdir())))
+            (folder / "state.bin").write_bytes(b"x")
+
+        def wait_ready(self, base, path):
+            return 0.0
+
+        def stop(self):
+            pass
+
+    async def fake_measure(*args):
+        return {}, {"tps": 1.0}
+
+    monkeypatch.setattr(harness, "ServerProcess", FakeServer)
+    monkeypatch.setattr(harness, "_measure", fake_measure)
+    monkeypatch.setattr(harness, "wait_port_free", lambda port: None)
+    monkeypatch.setattr(harness.machine, "wait_quiet", lambda *a: {"quiet": True})
+    plan = harness.Plan(FULL, [make_arm("ferrum", "ferrum")], ["sweep"], "m.gguf", 1, tmp_path)
+    for round_no in (1, 2):
+        record = harness.measure(plan, plan.arms[0], "sweep", round_no)
+        assert "error" not in record, record
+    (first, first_files), (second, second_files) = seen
+    assert first != second and first_files == second_files == []
+    assert not first.exists() and not second.exists()
