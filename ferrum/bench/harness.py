@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import shutil
 import signal
 import sys
 import time
@@ -140,7 +139,7 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
             cmd = server_command(arm, s, plan.model, plan.port, state_dir)
             log = plan.out / "logs" / f"{name}.log"
             record.update(command=cmd, log=str(log))
-            server = ServerProcess(cmd, log, plan.port)
+            server = ServerProcess(cmd, log, plan.port, scratch=state_dir)
             record["startup_s"] = server.wait_ready(base, arm.ready_path)
         before = machine.snapshot(server.pid) if server else None
         try:
@@ -161,7 +160,6 @@ def measure(plan: Plan, arm: Arm, workload: str, round_no: int) -> dict:
     finally:
         if server is not None:
             server.stop()
-            shutil.rmtree(plan.out / "kv", ignore_errors=True)
     _judge(record, s)
     return record
 

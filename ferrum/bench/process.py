@@ -7,6 +7,7 @@ soak script all start servers through it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,9 +62,15 @@ class ServerProcess:
     signalled (and its CPU time counted) at once."""
 
     def __init__(
-        self, cmd: list[str], log_path: Path, port: int, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        log_path: Path,
+        port: int,
+        env: dict[str, str] | None = None,
+        scratch: Path | None = None,
     ):
-        self.cmd, self.log_path, self.port = cmd, log_path, port
+        """`scratch`: a folder of this server's own (its disk tier), removed when it stops."""
+        self.cmd, self.log_path, self.port, self.scratch = cmd, log_path, port, scratch
         self.url = f"http://127.0.0.1:{port}"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
@@ -103,4 +110,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=20)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         wait_port_free(self.port)

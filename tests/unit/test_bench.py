@@ -246,7 +246,7 @@ def test_the_ceiling_runs_with_ferrums_pool_and_with_a_cache_per_sequence():
 def test_every_ferrum_start_gets_an_empty_disk_tier_of_its_own(tmp_path, monkeypatch):
     """The prompts are the same in every run (seeded by round): a ferrum arm started on the
     default disk tier would restore what an earlier run saved. Each start gets its own folder,
-    empty, removed when the server stops."""
+    empty, which the server process removes when it stops."""
     from ferrum.bench import harness
     from ferrum.bench.arms import make_arm
 
@@ -255,8 +255,9 @@ def test_every_ferrum_start_gets_an_empty_disk_tier_of_its_own(tmp_path, monkeyp
     class FakeServer:
         pid = None
 
-        def __init__(self, cmd, log_path, port):
+        def __init__(self, cmd, log_path, port, scratch=None):
             folder = Path(cmd[cmd.index("--cache-dir") + 1])
+            assert scratch == folder
             folder.mkdir(parents=True)  # what ferrum would write there
             seen.append((folder, sorted(p.name for p in folder.iterdir())))
             (folder / "state.bin").write_bytes(b"x")
@@ -280,4 +281,33 @@ def test_every_ferrum_start_gets_an_empty_disk_tier_of_its_own(tmp_path, monkeyp
         assert "error" not in record, record
     (first, first_files), (second, second_files) = seen
     assert first != second and first_files == second_files == []
-    assert not first.exists() and not second.exists()
+
+
+def test_a_server_process_removes_its_scratch_folder_when_stopped(tmp_path):
+    from ferrum.bench.process import ServerProcess, free_port
+
+    scratch = tmp_path / "kv"
+    scratch.mkdir()
+    (scratch / "state.bin").write_bytes(b"x")
+    server = ServerProcess(["sleep", "30"], tmp_path / "log", free_port(), scratch=scratch)
+    server.stop()
+    assert server.proc.poll() is not None and not scratch.exists()
+
+
+def test_a_study_server_gets_its_own_disk_tier_unless_the_study_names_one(tmp_path, monkeypatch):
+    from ferrum.bench import studies
+
+    commands = []
+
+    class FakeServer:
+        def __init__(self, cmd, log_path, port, env=None, scratch=None):
+            commands.append((cmd, scratch))
+
+    monkeypatch.setattr(studies, "ServerProcess", FakeServer)
+    monkeypatch.setattr(studies, "_ready", lambda server: server)
+    run = studies.StudyRun("s", tmp_path, rounds=1, threads=2, quick=True, arms=["ferrum"])
+    run.ferrum("ferrum", "--parallel", "4")
+    run.ferrum("ferrum", "--cache-disk", "0")
+    (own, scratch), (named, none) = commands
+    assert own[own.index("--cache-dir") + 1] == str(scratch) and none is None
+    assert scratch.parent == tmp_path / "kv" and "--cache-dir" not in named

@@ -86,11 +86,17 @@ class StudyRun:
         env = {**os.environ, **(env or {})}
         if arm in self.trees:
             env["PYTHONPATH"] = str(self.trees[arm])
+        # A disk tier of its own unless the study names one: the default folder outlives the
+        # server, and a study's seeded prompts would meet an earlier run's saved states there.
+        scratch = None
+        if "--cache-dir" not in flags and "--cache-disk" not in flags:
+            scratch = self.out / "kv" / f"{arm.replace(' ', '_')}-{port}"
+            flags = (*flags, "--cache-dir", str(scratch))
         cmd = ferrum_command(port, "--threads", str(self.threads), *flags)
         cmd[0] = python or cmd[0]
         server = ServerProcess(
             cmd,
-            self.out / f"{arm.replace(' ', '_')}.log", port, env=env,
+            self.out / f"{arm.replace(' ', '_')}.log", port, env=env, scratch=scratch,
         )  # fmt: skip
         return _ready(server)
 
