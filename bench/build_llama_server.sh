@@ -94,9 +94,9 @@ kernel_args() {
     if [[ "$flavor" == default ]]; then
         return  # cmake's defaults
     fi
-    # The flags scripts/install gives llama-cpp-python, one per line.
-    # shellcheck disable=SC2086
-    printf '%s\n' ${FERRUM_CMAKE_ARGS:-$("$repo_root/scripts/cpu-cmake-args")}
+    # The flags scripts/install gives llama-cpp-python, one per line: split as a shell would
+    # (xargs keeps a quoted word whole: the native build's C/C++ flags hold spaces).
+    xargs printf '%s\n' <<<"${FERRUM_CMAKE_ARGS:-$("$repo_root/scripts/cpu-cmake-args")}"
 }
 
 cmake_args() {
