@@ -30,6 +30,21 @@ def _chat(client, messages, **kw):
     return r
 
 
+# Below this margin between the top two log-probabilities, batch-shape noise can swap them.
+NEAR_TIE_NATS = 0.5
+
+
+def _before_first_near_tie(content) -> list[str]:
+    """The greedy tokens before the first one whose runner-up was within NEAR_TIE_NATS of it."""
+    tokens = []
+    for tok in content:
+        top = sorted((t.logprob for t in tok.top_logprobs), reverse=True)
+        if len(top) > 1 and top[0] - top[1] < NEAR_TIE_NATS:
+            break
+        tokens.append(tok.token)
+    return tokens
+
+
 def test_identical_prompts_reuse_and_match(clients):
     cached, fresh = clients
     msgs = [{"role": "user", "content": "Write a haiku about bread."}]
@@ -68,11 +83,19 @@ def test_five_turn_conversation_reuses_and_matches(clients):
 
 def test_n_forks_share_the_prefill_and_match(clients):
     cached, fresh = clients
-    msgs = [{"role": "user", "content": "Name a kind of cake."}]
+    # (On the native AVX-512 build "Name a kind of cake." has a 0.25-nat tie at token 6 and
+    # two of three forks went the other way; this prompt has none in 24 tokens.)
+    msgs = [{"role": "user", "content": "Tell me about the moon."}]
     got = _chat(cached, msgs, n=3)
-    want = _chat(fresh, msgs).choices[0].message.content
+    alone = _chat(fresh, msgs, logprobs=True, top_logprobs=2).choices[0]
     assert [c.index for c in got.choices] == [0, 1, 2]
-    assert [c.message.content for c in got.choices] == [want] * 3
+    # Three forks decode as three rows of one batch, the answer alone as one row: the kernels
+    # sum in another order for each shape and even for each row of a tile (tenths of a nat),
+    # so each fork must match the answer alone up to its first near tie, not past it.
+    want = _before_first_near_tie(alone.logprobs.content)
+    assert len(want) >= 8  # the prompt is one without an early tie on the hosts we know
+    for c in got.choices:
+        assert c.message.content.startswith("".join(want))
     # sampled forks differ from each other but each is reproducible with the same seed
     a = _chat(cached, msgs, n=2, seed=7, extra_body={"temperature": 1.0})
     b = _chat(cached, msgs, n=2, seed=7, extra_body={"temperature": 1.0})
