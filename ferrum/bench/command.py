@@ -26,8 +26,9 @@ FLAVOR=default bench/build_llama_server.sh), llama-cpp-python (its server; needs
 extra), url (any OpenAI-compatible server given with --url).
 "auto" = ferrum plus every other arm available here. The first arm is the reference that
 ratios and verdicts are stated for. The engine workload always compares ferrum's decode loop
-with llama-batched-bench, whatever --arms says: with ferrum's KV pool, and with a cache per
-sequence ("llama-batched-bench streams": what the pool costs).
+with llama-batched-bench, whatever --arms says: with ferrum's KV pool, with a cache per
+sequence ("llama-batched-bench streams": what the pool costs), and with the window layers
+sized to their windows ("llama-batched-bench windows": what swa_full costs).
 """
 
 
@@ -257,9 +258,7 @@ def _meta(plan: Any, preset: str) -> dict:
         commands["engine: ferrum"] = engine_loop.ferrum_command(*args, *shape)
         binary = llama_cpp_build_dir() / "llama-batched-bench"
         for side in plan.engine_sides[1:]:
-            commands[f"engine: {side}"] = engine_loop.ceiling_command(
-                binary, *args, *shape, pooled=side == "llama-batched-bench"
-            )
+            commands[f"engine: {side}"] = engine_loop.ceiling_command(binary, *args, *shape, side)
     return {
         "preset": preset,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -8,8 +8,9 @@ Both sides run as child processes, one at a time, on the same model, threads and
   the last request got its first token / time since that step.
 * ceiling: `llama-batched-bench -npp P -ntg N -npl B...` (S_TG: B*N / time of the N decode
   calls), built from the same llama.cpp by bench/build_llama_server.sh, with ferrum's KV
-  shape (one pool); and the same with a cache per sequence (`llama-batched-bench streams`),
-  which says what the pool itself costs.
+  shape (one pool); the same with a cache per sequence (`llama-batched-bench streams`),
+  which says what the pool itself costs; and one pool whose window layers keep only their
+  windows (`llama-batched-bench windows`), which says what `swa_full` costs.
 
 The ceiling decodes and computes logits but samples nothing and has no scheduler; ferrum's
 loop adds greedy sampling, scheduling, KV accounting and text decoding. The ratio
@@ -101,6 +102,17 @@ def _run_batch(
     return generated / (time.perf_counter() - t0)
 
 
+# The ceilings' KV shapes, by side name: ferrum's (one pool for every sequence, the window
+# cache as large as the pool); a cache per sequence, as llama.cpp keeps by default (what the
+# pool costs); one pool with the window layers sized to their windows (what `swa_full`
+# costs; issue #39).
+CEILINGS = {
+    "llama-batched-bench": ("-kvu", "--swa-full"),
+    "llama-batched-bench streams": ("-no-kvu",),
+    "llama-batched-bench windows": ("-kvu",),
+}
+
+
 def ceiling_command(
     binary: Path,
     model: str,
@@ -109,15 +121,12 @@ def ceiling_command(
     batches: list[int],
     pp: int,
     tg: int,
-    pooled: bool = True,
+    side: str = "llama-batched-bench",
 ) -> list[str]:
-    """llama-batched-bench with the KV shape ferrum's runner asks for (`pooled`: one pool
-    for every sequence, full SWA cache), or a cache per sequence as llama.cpp keeps by
-    default (what ferrum's pool costs, issue #39)."""
+    """llama-batched-bench with the KV shape that `side` names in CEILINGS."""
     t = str(threads)
     cmd = [str(binary), "-m", model, "-c", str(ctx), "-b", str(BATCH_SIZE)]
-    cmd += ["-ub", str(BATCH_SIZE), "-t", t, "-tb", t]
-    cmd += ["-kvu", "--swa-full"] if pooled else ["-no-kvu"]
+    cmd += ["-ub", str(BATCH_SIZE), "-t", t, "-tb", t, *CEILINGS[side]]
     cmd += ["-npp", str(pp), "-ntg", str(tg)]
     return [*cmd, "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
 

@@ -34,9 +34,8 @@ from ferrum.bench.prompts import PromptSource
 from ferrum.bench.settings import BenchSettings
 from ferrum.bench.workloads import WORKLOADS, Context
 
-# The engine workload's sides: ferrum's loop, llama.cpp's with ferrum's KV pool, and with a
-# cache per sequence.
-ENGINE_ARMS = ("ferrum", "llama-batched-bench", "llama-batched-bench streams")
+# The engine workload's sides: ferrum's loop and llama.cpp's in each KV shape of CEILINGS.
+ENGINE_ARMS = ("ferrum", *engine_loop.CEILINGS)
 SEED = "ferrum-bench"
 
 
@@ -200,8 +199,7 @@ def measure_engine(plan: Plan, side: str, round_no: int) -> dict:
         runner = engine_loop.run_ferrum
     else:
         binary = llama_cpp_build_dir() / "llama-batched-bench"
-        pooled = side == "llama-batched-bench"  # the other ceiling keeps a cache per sequence
-        cmd = engine_loop.ceiling_command(binary, *args, *shape, pooled=pooled)
+        cmd = engine_loop.ceiling_command(binary, *args, *shape, side)
         runner = engine_loop.run_ceiling
     record["command"] = cmd
     record["quiet_check"] = machine.wait_quiet(s.quiet_threshold, s.quiet_wait_s)

@@ -59,7 +59,9 @@ def describe(workload: str, s: BenchSettings) -> str:
             f"against llama.cpp's llama-batched-bench (S_TG, same model, threads and KV shape) "
             f"at B = {batches}. The ceiling samples nothing; ferrum / ceiling is what sampling, "
             f"scheduling and text cost. `llama-batched-bench streams` keeps a cache per "
-            f"sequence instead of ferrum's one pool: the pool's own cost."
+            f"sequence instead of ferrum's one pool: the pool's own cost; `llama-batched-bench "
+            f"windows` keeps the pool with the window layers sized to their windows (no "
+            f"`swa_full`): what ferrum's full-sized window cache costs."
         )
     raise ValueError(workload)
 

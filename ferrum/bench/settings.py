@@ -164,7 +164,7 @@ def _workload_seconds(s: BenchSettings, workload: str, serial: bool) -> float:
         return prefill + _tokens(clients, s.longctx_tokens, clients, serial)
     if workload == "engine":
         decode = sum(_tokens(b, s.engine_tokens, b, False) for b in s.engine_batches)
-        return 3 * (decode + 3.0)  # ferrum's loop and two llama-batched-bench, each loads once
+        return 4 * (decode + 3.0)  # ferrum's loop and three llama-batched-bench, each loads once
     raise ValueError(f"unknown workload {workload!r}")
 
 
