@@ -92,6 +92,15 @@ class EngineConfig:
             help="never reuse KV across requests (resident, RAM or disk)",
         ),
     )
+    swa_full: bool = field(
+        default=False,
+        metadata=_flag(
+            "--swa-full",
+            help="give sliding-window layers (Gemma 3) a cache as large as the context, as "
+            "llama.cpp's swa_full does: more memory and slower decodes, kept for comparison "
+            "(default: sized to the windows)",
+        ),
+    )
     cache_ram: float = field(
         default=2048,
         metadata=_flag(

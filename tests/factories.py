@@ -193,6 +193,14 @@ class FakeRunner:
         self.kv[dst] = self.kv[src][:length]
         self.copies.append((src, dst, length))
 
+    def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
+        self.copy_sequence(src, dst, length)
+        state = self.save_sequence(dst)
+        self.clear_sequence(dst)
+        if state is None or not self.restore_sequence(dst, state):
+            return None
+        return state
+
     def holds_window(self, seq_id: int, length: int) -> bool:
         return seq_id not in self.lost_windows
 

@@ -103,6 +103,10 @@ class ModelInfo:
     vision: bool = False  # a projector is loaded: prompts may hold images
     # Its images attend to each other both ways (Gemma 3): each goes whole into one decode.
     images_whole: bool = False
+    # The sliding-window layers' cache holds the windows only (not swa_full): a prefix copy
+    # takes cells of its own (`KvOps.copy_own`) and no parked sequence stays in the context
+    # while others decode, so it holds the running sequences' windows alone.
+    own_copies: bool = False
 
 
 class Vocabulary(Protocol):
@@ -164,6 +168,12 @@ class KvOps(Protocol):
 
     def trim_sequence(self, seq_id: int, length: int) -> None:
         """Keeps only positions [0, length) of seq_id (attention KV only)."""
+        ...
+
+    def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
+        """dst (empty) gets cells of its own holding src's first `length` positions; returns
+        dst's state then (a checkpoint of the prefix), or None, dst left empty, when llama.cpp
+        refused it."""
         ...
 
     def holds_window(self, seq_id: int, length: int) -> bool:

@@ -66,7 +66,9 @@ class LLMEngine:
         # A saved state may be cut back to any prefix only where attention KV is all it is;
         # a sliding window keeps just enough cells to drop the last position.
         cut = None if share and info.n_swa == 0 else 1 if share else 0
-        self.kv_manager = KVManager(blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut)
+        self.kv_manager = KVManager(
+            blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut, info.own_copies
+        )
         self.speculator = self._speculator(speculation or SpecConfig(kind="none"), info, drafter)
         self.scheduler = Scheduler(
             self.kv_manager,

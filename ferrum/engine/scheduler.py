@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from ferrum.engine.adapter_turns import AdapterTurns
 from ferrum.engine.fairness import FairShare
 from ferrum.engine.kv.ledger import IntegrityError
-from ferrum.engine.kv.residency import KVManager, Reuse
+from ferrum.engine.kv.plan import Reuse
+from ferrum.engine.kv.residency import KVManager
 from ferrum.engine.request import AdapterSet, FinishReason, Request, RequestStatus
 from ferrum.engine.speculation.speculator import Speculator
 

@@ -86,9 +86,18 @@ class SlidingWindowMachine(EngineMachine):
     # A variant's engine settings: KV cache types and flash attention, --split-prefill.
     kv: dict[str, str | int] = {}
 
+    own_copies = 0  # prefix copies into cells of their own (the default window cache)
+
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path)
+        copy_own = runner.copy_own
+
+        def counted(src: int, dst: int, length: int) -> bytearray | None:
+            type(self).own_copies += 1
+            return copy_own(src, dst, length)
+
+        runner.copy_own = counted  # type: ignore[method-assign]
         return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
 
     def expected(self, prompt: list[int], n: int) -> list[int]:
@@ -137,6 +146,20 @@ def run_machine(
 
 def test_sliding_window_state_machine(tiny_gemma3):
     run_machine(SlidingWindowMachine, tiny_gemma3, 60)
+    assert SlidingWindowMachine.own_copies > 0
+
+
+class FullWindowCacheMachine(SlidingWindowMachine):
+    """The same traffic with --swa-full: a window cache as large as the context, where a
+    prefix copy shares the donor's cells instead of taking its own (`KvOps.copy_own`)."""
+
+    kv: dict[str, str | int] = {"swa_full": True}
+    own_copies = 0  # its own count: none expected
+
+
+def test_sliding_window_state_machine_full_window_cache(tiny_gemma3):
+    run_machine(FullWindowCacheMachine, tiny_gemma3, 30)
+    assert FullWindowCacheMachine.own_copies == 0
 
 
 class _WindowDrafter:

@@ -449,13 +449,14 @@ class TieredEngineMachine(EngineMachine):
     gives, and the index must hold exactly the running, parked and saved sequences."""
 
     folder: Path | None = None
+    info: dict[str, object] = {}  # the fake model's settings (`model_info`)
 
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
         from tests.unit.test_tiers import AlwaysRestore
 
         if self.folder is None:
             self.folder = Path(tempfile.mkdtemp(prefix="ferrum-tiers-"))
-        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6))
+        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6, **self.info))
         # A fake state is 4 bytes a position: RAM holds two or three, the disk a dozen.
         tiers = TierConfig(400, 2_000, self.folder, "fake", io_thread=False)
         engine = LLMEngine(runner, block_size=8, max_running=3, tiers=tiers)
@@ -491,6 +492,40 @@ class TieredEngineMachine(EngineMachine):
 
 TieredEngineMachine.TestCase.settings = machine_settings(100)
 TestTieredEngineStateMachine = pytest.mark.slow(TieredEngineMachine.TestCase)
+
+
+class OwnCopiesEngineMachine(TieredEngineMachine):
+    """The tiered traffic on a model whose window cache is sized to the windows (Gemma 3's
+    default): every prefix copy takes cells of its own and leaves a checkpoint in the tiers,
+    and no parked sequence stays in the context while a decode runs. Same oracles."""
+
+    info = {"n_swa": 8, "own_copies": True}
+    decodes_beside_parked = 0
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        runner, engine = super().make_engine()
+        assert engine.kv_manager.own_copies
+        execute = runner.execute
+
+        def checked(items):
+            if engine.kv_manager.parked.num_blocks:
+                type(self).decodes_beside_parked += 1
+            return execute(items)
+
+        runner.execute = checked  # type: ignore[method-assign]
+        return runner, engine
+
+    @invariant()
+    def nothing_shared_nothing_parked_beside_a_decode(self) -> None:
+        kv = self.engine.kv_manager
+        owners = [*self.engine.scheduler.running, *kv.parked]
+        for table in (owner.page_table for owner in owners):
+            assert all(kv.blocks.ref_count(b) == 1 for b in table.blocks), "a shared block"
+        assert self.decodes_beside_parked == 0, "a decode ran beside a parked sequence"
+
+
+OwnCopiesEngineMachine.TestCase.settings = machine_settings(100)
+TestOwnCopiesEngineStateMachine = pytest.mark.slow(OwnCopiesEngineMachine.TestCase)
 
 
 # The fake LoRA model: a cell computed under adapter set k holds its token + k × _SET_CODE,

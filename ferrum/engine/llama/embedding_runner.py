@@ -35,6 +35,7 @@ import numpy as np
 
 from ferrum.engine.compute import compute
 from ferrum.engine.embedding import POOLINGS, EmbeddingInfo, Vector
+from ferrum.engine.llama.describe import model_meta
 from ferrum.engine.llama.runner import route_llama_logs
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.errors import EngineError, ModelLoadError
@@ -98,13 +99,8 @@ class EmbeddingRunner:
         """What other threads may use: the tokenizer."""
         return self._vocab
 
-    def _meta(self, key: str) -> str:
-        buf = ctypes.create_string_buffer(512)
-        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
-
     def _refuse_unfit(self, pooling: str) -> None:
-        arch = self._meta("general.architecture") or "unknown"
+        arch = model_meta(self._model, "general.architecture") or "unknown"
         if ll.llama_model_has_encoder(self._model):
             # T5 and the draft heads: llama_decode runs their decoder, which needs an encoder
             # pass (or a target model) first; there is no pooled output to read.
@@ -112,7 +108,7 @@ class EmbeddingRunner:
                 f"cannot embed with a {arch} model: it has a separate encoder (encoder-decoder "
                 "or draft model); serve an embedding model (BERT-like) or a decoder"
             )
-        if pooling == "rank" and self._meta(f"{arch}.pooling_type") != str(
+        if pooling == "rank" and model_meta(self._model, f"{arch}.pooling_type") != str(
             ll.LLAMA_POOLING_TYPE_RANK
         ):
             # Without a classification head llama.cpp reads n_cls_out floats at the wrong
@@ -171,7 +167,7 @@ class EmbeddingRunner:
             n_embd=self._n_out,
             max_tokens=int(max_tokens),
             pooling=self._pooling,
-            architecture=self._meta("general.architecture") or "unknown",
+            architecture=model_meta(self._model, "general.architecture") or "unknown",
             description=desc.value.decode("utf-8", "replace"),
             n_vocab=self._vocab.n_vocab,
             n_batch=self._n_batch,

@@ -31,6 +31,7 @@ from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
 from ferrum.engine.llama.decode_parts import decode_parts
+from ferrum.engine.llama.describe import describe, model_meta
 from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.step_sampling import Row, sample_rows
 from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
@@ -38,7 +39,7 @@ from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.llama.window import WindowProbe
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ModelLoadError
-from ferrum.kv_types import cell_type, check_kv_settings, flash_attn_resolved
+from ferrum.kv_types import cell_type, check_kv_settings
 
 log = logging.getLogger("ferrum.llama")
 
@@ -91,6 +92,7 @@ class LlamaRunner:
         self._ctx: Any = None
         self._batch: Any = None
         self._window: WindowProbe | None = None
+        self._own_copies = False  # prefix copies take cells of their own (`copy_own`)
         self._samplers: dict[str, Sampler] = {}
         self._adapters: LoraAdapters | None = None
         self._projector: Projector | None = None
@@ -114,7 +116,11 @@ class LlamaRunner:
         self._faults = random.Random(0)  # the same faults in the same traffic
         if self._fault_rate > 0:
             log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
-        self._info = self._describe(model_path, config, kv_bytes_per_cell)
+        self._info = describe(
+            self._model, self._ctx, self._vocab, model_path, config, kv_bytes_per_cell,
+            probe=self._window is not None, projector=self._projector,
+            own_copies=self._own_copies,
+        )  # fmt: skip
 
     @property
     def info(self) -> ModelInfo:
@@ -173,10 +179,14 @@ class LlamaRunner:
         # One cell pool for all sequences: any request may use the whole context, and cells can
         # be shared between sequences without copying.
         cparams.kv_unified = True
-        # The window cache as large as the main one, so both run out of cells together and the
-        # block ledger (which counts cells once) holds for both. It does not keep old window
-        # positions: llama.cpp still recycles those (see `holds_window`).
-        cparams.swa_full = True
+        # The window cache sized to the windows (llama.cpp: n_swa cells per sequence id and one
+        # micro-batch): each decode attends over the running sequences' windows, not over a
+        # pool as large as the context. It stays within that size only while no cell there is
+        # shared, since llama.cpp recycles a window cell only once it has one owner: so a
+        # prefix copy gets cells of its own (`copy_own`), and the ledger's count of the main
+        # cache bounds both. --swa-full: as large as the main cache, copies share cells.
+        cparams.swa_full = config.swa_full
+        self._own_copies = windowed and not config.swa_full
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(
@@ -189,53 +199,10 @@ class LlamaRunner:
         self._window = None
         if windowed:
             # Llama 4 windows are chunks: position p sees back to the start of its own chunk.
-            chunked = self._meta("general.architecture") == "llama4"
+            chunked = model_meta(self._model, "general.architecture") == "llama4"
             self._window = WindowProbe(
                 self._ctx, self._mem, self._model, self._batch, n_seq, chunked
             )
-
-    def _meta(self, key: str) -> str:
-        buf = ctypes.create_string_buffer(512)
-        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
-
-    def _describe(self, path: str, config: EngineConfig, kv_bytes_per_cell: int) -> ModelInfo:
-        desc = ctypes.create_string_buffer(256)
-        ll.llama_model_desc(self._model, desc, len(desc))
-        template = ll.llama_model_chat_template(self._model, None)
-        vocab = self._vocab
-        type_k, type_v = cell_type(config.cache_type_k).name, cell_type(config.cache_type_v).name
-        flash_attn = flash_attn_resolved(type_v, config.flash_attn)
-        return ModelInfo(
-            path=path,
-            architecture=self._meta("general.architecture") or "unknown",
-            description=desc.value.decode("utf-8", "replace"),
-            n_ctx=ll.llama_n_ctx(self._ctx),
-            n_ctx_train=ll.llama_model_n_ctx_train(self._model),
-            n_batch=self._n_batch,
-            n_seq_max=ll.llama_n_seq_max(self._ctx) - (self._window is not None),
-            n_vocab=vocab.n_vocab,
-            n_swa=ll.llama_model_n_swa(self._model),
-            threads=config.resolved_threads(),
-            is_recurrent=bool(ll.llama_model_is_recurrent(self._model)),
-            is_hybrid=bool(ll.llama_model_is_hybrid(self._model)),
-            chat_template=template.decode("utf-8", "replace") if template else None,
-            bos_text=vocab.token_text(vocab.bos),
-            eos_text=vocab.token_text(vocab.eos),
-            add_bos=vocab.add_bos,
-            # A state saved under other cell types or V layout (flash attention transposes
-            # V when off) must never be offered to llama.cpp: both are in the fingerprint.
-            state_format=(
-                f"llama-cpp-python {ll.__version__}; kv k={type_k} v={type_v}; "
-                f"flash_attn {flash_attn}; unified; swa_full"
-            ),
-            cache_type_k=type_k,
-            cache_type_v=type_v,
-            flash_attn=flash_attn,
-            kv_bytes_per_cell=kv_bytes_per_cell,
-            vision=self._projector is not None,
-            images_whole=self._projector is not None and self._projector.non_causal,
-        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -264,6 +231,19 @@ class LlamaRunner:
         if self.info.is_recurrent or self.info.is_hybrid:
             raise ValueError("recurrent state cannot be shared between sequences")
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
+
+    def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
+        """dst gets cells of its own holding src's positions [0, length) and the window
+        position `length` attends to: shared (seq_cp), written out as dst's state (only
+        unmasked window cells are written), dropped and read back into fresh cells. Returns
+        that state (a checkpoint of the prefix), or None, dst left empty, when llama.cpp
+        refused it."""
+        self.copy_sequence(src, dst, length)
+        state = self.save_sequence(dst)
+        self.clear_sequence(dst)  # no cell stays shared: the window cache can recycle them
+        if state is None or not self.restore_sequence(dst, state):
+            return None
+        return state
 
     def holds_window(self, seq_id: int, length: int) -> bool:
         """Whether seq_id still holds, in the sliding-window cache, every position that a
