@@ -411,3 +411,43 @@ def test_without_tiers_parked_sequences_stay_until_room_is_needed() -> None:
         engine.add_request(f"a{i}", p, sampling(max_tokens=8))
         run_to_completion(engine)
     assert len(engine.kv_manager.parked) == 4 and engine.kv_manager.evictions == 0
+
+
+def test_a_window_sized_cache_copies_into_cells_of_its_own_and_keeps_a_checkpoint() -> None:
+    """Where the window cache is sized to the windows (`own_copies`), a shared window cell
+    would never be recycled: a copy's blocks are its own in the ledger, its state goes to the
+    tiers as a checkpoint of the prefix, and no parked sequence stays beside a decode. A later
+    request that shares the prefix restores the checkpoint, with the output of a fresh
+    prefill."""
+    info = model_info(n_ctx=1024, n_batch=64, n_seq_max=8, n_swa=8, own_copies=True)
+    runner, engine = _engine(None, runner=FakeRunner(info=info))
+    execute, parked_in_decodes = runner.execute, []
+
+    def watched(items):
+        parked_in_decodes.append(len(engine.kv_manager.parked))
+        return execute(items)
+
+    runner.execute = watched  # type: ignore[method-assign]
+    head = byte_tokenize("a long shared instruction, " * 3)
+    first, second, third = (head + byte_tokenize(f" question {i}?") for i in range(3))
+    engine.add_request("long", first, sampling(max_tokens=40))
+    engine.step()  # its prompt computed: the next one copies from it while it decodes
+    engine.add_request("copy", second, sampling(max_tokens=8))
+    while engine.has_work:
+        engine.step()
+        kv = engine.kv_manager
+        owners = [*engine.scheduler.running, *kv.parked]
+        assert all(kv.blocks.ref_count(b) == 1 for o in owners for b in o.page_table.blocks)
+    engine.check_integrity()
+    assert parked_in_decodes and not any(parked_in_decodes)
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+    assert runner.copies and runner.copies[0][2] == shared
+    saved = engine.kv_manager.saved
+    assert saved.get(second[: runner.copies[0][2]], "") is not None  # the checkpoint
+    engine.kv_manager.drop_parked()  # no donor left in the context: only the tiers
+    restores = saved.snapshot().restores
+    tokens, cached = _ask(engine, "third", third)
+    # The finished requests' own states are longer and cannot be cut back (the window): the
+    # checkpoint serves the prefix.
+    assert tokens == _fresh(third) and cached == shared
+    assert saved.snapshot().restores == restores + 1
