@@ -222,6 +222,13 @@ class EngineConfig:
         ),
     )
 
+    @property
+    def saves_states(self) -> bool:
+        """Whether prefix states evicted from the context are kept (a RAM or disk tier is on;
+        `TierConfig.for_model` rounds the sizes alike)."""
+        tiers = int(self.cache_ram * 2**20) > 0 or int(self.cache_disk * 2**30) > 0
+        return tiers and not self.no_prefix_cache
+
     def resolved_threads(self) -> int:
         return self.threads if self.threads > 0 else physical_cores()
 

@@ -104,8 +104,8 @@ class ModelInfo:
     # Its images attend to each other both ways (Gemma 3): each goes whole into one decode.
     images_whole: bool = False
     # The sliding-window layers' cache holds the windows only (not swa_full): a prefix copy
-    # takes cells of its own (`KvOps.copy_own`) and no parked sequence stays in the context
-    # while others decode, so it holds the running sequences' windows alone.
+    # takes cells of its own (`KvOps.copy_own`), and where there are tiers a finished
+    # sequence is saved there instead of parked, so that cache holds the running windows.
     own_copies: bool = False
 
 

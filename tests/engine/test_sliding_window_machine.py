@@ -20,6 +20,7 @@ from hypothesis.stateful import invariant
 
 from ferrum.config import EngineConfig
 from ferrum.engine.engine import LLMEngine
+from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.request import ImageSpan
 from ferrum.engine.speculation.speculator import SpecConfig
@@ -27,6 +28,7 @@ from tests.factories import run_to_completion, sampling
 from tests.profiles import examples
 from tests.tiny_models import BOS_ID
 from tests.unit.test_engine_state_machine import EngineMachine
+from tests.unit.test_tiers import AlwaysRestore
 
 CTX, PARALLEL, BATCH, BLOCK = 128, 3, 24, 8
 Spans = Callable[[list[int]], tuple[ImageSpan, ...]]
@@ -79,6 +81,20 @@ class _Oracle:
         return tokens
 
 
+def _ram_tier() -> TierConfig:
+    """A RAM tier as the server has one (the default window cache then parks nothing: a
+    finished sequence is saved there), of a few states."""
+    return TierConfig(64 * 2**20, 0, None, "tiny-gemma3", io_thread=False)
+
+
+def _restoring(engine: LLMEngine) -> LLMEngine:
+    """Every saved state worth restoring: the tiny model prefills faster than a restore, so
+    measured costs would leave the restores untried."""
+    assert engine.kv_manager.saved is not None
+    engine.kv_manager.saved.costs = AlwaysRestore()
+    return engine
+
+
 class SlidingWindowMachine(EngineMachine):
     bos = BOS_ID
     path: str = ""
@@ -98,7 +114,8 @@ class SlidingWindowMachine(EngineMachine):
             return copy_own(src, dst, length)
 
         runner.copy_own = counted  # type: ignore[method-assign]
-        return runner, LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL)
+        engine = LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL, tiers=_ram_tier())
+        return runner, _restoring(engine)
 
     def expected(self, prompt: list[int], n: int) -> list[int]:
         assert self.alone is not None
@@ -193,8 +210,9 @@ class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
         spec = SpecConfig(draft_max=4, batch_max=8)
         engine = LLMEngine(
             runner, block_size=BLOCK, max_running=PARALLEL, speculation=spec,
-            drafter=lambda _: drafter,
+            drafter=lambda _: drafter, tiers=_ram_tier(),
         )  # fmt: skip
+        _restoring(engine)
         # Untimed, every guess goes in. Timed, which guesses pay follows the wall clock, so
         # the same rules would meet other waiting requests in a replay and Hypothesis fails
         # the run as flaky ("Inconsistent data generation") rather than finding a fault.

@@ -416,9 +416,9 @@ def test_without_tiers_parked_sequences_stay_until_room_is_needed() -> None:
 def test_a_window_sized_cache_copies_into_cells_of_its_own_and_keeps_a_checkpoint() -> None:
     """Where the window cache is sized to the windows (`own_copies`), a shared window cell
     would never be recycled: a copy's blocks are its own in the ledger, its state goes to the
-    tiers as a checkpoint of the prefix, and no parked sequence stays beside a decode. A later
-    request that shares the prefix restores the checkpoint, with the output of a fresh
-    prefill."""
+    tiers as a checkpoint of the prefix, and a finished sequence is saved there instead of
+    parked. A later request that shares the prefix restores the checkpoint, with the output
+    of a fresh prefill."""
     info = model_info(n_ctx=1024, n_batch=64, n_seq_max=8, n_swa=8, own_copies=True)
     runner, engine = _engine(None, runner=FakeRunner(info=info))
     execute, parked_in_decodes = runner.execute, []
@@ -438,13 +438,13 @@ def test_a_window_sized_cache_copies_into_cells_of_its_own_and_keeps_a_checkpoin
         kv = engine.kv_manager
         owners = [*engine.scheduler.running, *kv.parked]
         assert all(kv.blocks.ref_count(b) == 1 for o in owners for b in o.page_table.blocks)
+        assert len(kv.parked) == 0
     engine.check_integrity()
     assert parked_in_decodes and not any(parked_in_decodes)
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
     assert runner.copies and runner.copies[0][2] == shared
     saved = engine.kv_manager.saved
     assert saved.get(second[: runner.copies[0][2]], "") is not None  # the checkpoint
-    engine.kv_manager.drop_parked()  # no donor left in the context: only the tiers
     restores = saved.snapshot().restores
     tokens, cached = _ask(engine, "third", third)
     # The finished requests' own states are longer and cannot be cut back (the window): the

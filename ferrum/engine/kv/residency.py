@@ -26,9 +26,11 @@ By default llama.cpp sizes that cache to the windows (n_swa cells per sequence i
 micro-batch), which holds only while no window cell is shared: it recycles a cell only once
 it has one owner. So there a copy takes cells of its own (`KvOps.copy_own`: shared, written
 out, read back) and its state stays in the tiers as a checkpoint of the prefix, for the next
-request that shares it once the donor has moved on; and parked sequences leave the context
-(saved) before each decode. `--swa-full` keeps a window cache as large as the context, where
-copies share cells and parked sequences stay.
+request that shares it once the donor has moved on. And since that cache grows with the
+sequence ids and every decode of the window layers attends over the part in use, a finished
+sequence is not parked there but saved to the tiers at once (where there are tiers; the
+context then has no sequence ids for parking). `--swa-full` keeps a window cache as large as
+the context, where copies share cells and finished sequences park.
 
 Every reuse (copy, takeover, waiting for a donor, restore) starts from the prefix index,
 which only finds owners of the request's own cache scope: requests of different scopes never
@@ -101,7 +103,7 @@ class KVManager:
         # How many positions a restored state may be cut back by (None: any, 0: none).
         self.restore_cut = restore_cut
         # The window cache is sized to the windows (`ModelInfo.own_copies`): a copy takes
-        # cells of its own, and parked sequences leave the context before each decode.
+        # cells of its own, and with tiers a finished sequence is saved instead of parked.
         self.own_copies = own_copies
 
     # -- admission --------------------------------------------------------------------------
@@ -282,6 +284,8 @@ class KVManager:
         resident = req.num_computed_tokens
         if park and self.prefix_cache and resident >= self.blocks.block_size:
             self._park(req, seq_id, resident)
+            if self.own_copies and self.saved is not None:
+                self.evict_one()  # to the tiers: the window cache holds running ones only
         else:
             self.blocks.release(req.page_table)
             self.ops.clear_sequence(seq_id)
@@ -323,17 +327,7 @@ class KVManager:
         stream, 9.7 ms a token with nothing parked and 12.2 ms beside 3,500 parked cells;
         bounded so, it stays at 9.4-10.1 ms. A parked sequence is still reused at once by the
         request that arrives next (admission runs before this), and later from the RAM tier.
-        Without tiers an evicted sequence would be lost, so nothing is bounded there.
-
-        Where the window cache is sized to the windows (`own_copies`), every parked sequence
-        goes: each would keep up to a window of cells there, which every decoded token of the
-        window layers attends over (Gemma 3, 8 x 1,700-token prompts: 0.94x as fast with
-        parked windows kept, 1.23x with none)."""
-        if self.saved is not None and self.own_copies and running:
-            evicted = 0
-            while self.evict_one():
-                evicted += 1
-            return evicted
+        Without tiers an evicted sequence would be lost, so nothing is bounded there."""
         used = self.blocks.num_blocks - self.blocks.num_free
         # Only parked ones hold at most parked.num_blocks (cached); running ones the rest.
         if self.saved is None or 2 * self.parked.num_blocks <= used:

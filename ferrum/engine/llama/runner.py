@@ -166,12 +166,18 @@ class LlamaRunner:
         cparams.n_ubatch = config.batch_size
         # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse; a model
         # with a sliding window gets one more, the probe that `holds_window` copies into.
-        n_seq = config.parallel * (1 if config.no_prefix_cache else 2)
         # Recurrent and hybrid models never copy a prefix (only takeover), so need no probe.
         copies = not (
             ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model)
         )
         windowed = ll.llama_model_n_swa(self._model) > 0 and copies and not config.no_prefix_cache
+        # A window cache sized to the windows grows with n_seq_max, and each decode of the
+        # window layers attends over all of it that is in use: there a finished sequence goes
+        # straight to the tiers instead of parking in a sequence id of its own.
+        parks = not config.no_prefix_cache and not (
+            windowed and not config.swa_full and config.saves_states
+        )
+        n_seq = config.parallel * (2 if parks else 1)
         cparams.n_seq_max = n_seq + (1 if windowed else 0)
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
