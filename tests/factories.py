@@ -193,12 +193,16 @@ class FakeRunner:
         self.kv[dst] = self.kv[src][:length]
         self.copies.append((src, dst, length))
 
+    def checkpoint(self, src: int, length: int) -> bytearray | None:
+        if src in self.lost_windows or len(self.kv.get(src, [])) < length:
+            return None
+        return bytearray(b"FAKE" + array("i", self.kv[src][:length]).tobytes())
+
     def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
-        self.copy_sequence(src, dst, length)
-        state = self.save_sequence(dst)
-        self.clear_sequence(dst)
+        state = self.checkpoint(src, length)
         if state is None or not self.restore_sequence(dst, state):
             return None
+        self.copies.append((src, dst, length))
         return state
 
     def holds_window(self, seq_id: int, length: int) -> bool:
@@ -362,9 +366,11 @@ def llama_engine(
     speculation=None,
     lora: Sequence[str] = (),
     mmproj: str = "",
+    swa_full: bool = False,
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
-    order; this vision projector), closed afterwards."""
+    order; this vision projector; `swa_full`: a window cache as large as the context),
+    closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
 
@@ -374,6 +380,7 @@ def llama_engine(
         batch_size=batch,
         threads=2,
         no_prefix_cache=not prefix_cache,
+        swa_full=swa_full,
     )
     runner = LlamaRunner(cfg, path, lora, mmproj=mmproj)
     try:

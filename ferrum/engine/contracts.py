@@ -170,6 +170,11 @@ class KvOps(Protocol):
         """Keeps only positions [0, length) of seq_id (attention KV only)."""
         ...
 
+    def checkpoint(self, src: int, length: int) -> bytearray | None:
+        """The state of src's first `length` positions (restorable whole), or None where src
+        no longer holds the sliding window position `length` attends to."""
+        ...
+
     def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
         """dst (empty) gets cells of its own holding src's first `length` positions; returns
         dst's state then (a checkpoint of the prefix), or None, dst left empty, when llama.cpp

@@ -218,9 +218,14 @@ class KVManager:
             raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
 
     def _copy_own(self, req: Request, seq_id: int, donor: Request | Parked, length: int) -> int:
-        """A copy into cells of req's own (the ledger's blocks are all private); its state is
-        kept in the tiers as a checkpoint of the prefix, whose window a later request sharing
-        it could no longer find in a donor that moved on. 0 when llama.cpp refused it."""
+        """A copy into cells of req's own (the ledger's blocks are all private); 0 when the
+        donor had lost the window meanwhile or llama.cpp refused the state.
+
+        Its state stays in the tiers as a checkpoint of the prefix, for later requests that
+        share it once no donor holds its window; with one more at a block boundary a few
+        positions below, while the donor still holds that window: a saved window state
+        serves only prompts that share all of it but the last position, and bursts behind
+        one system prompt part a few tokens apart ("Question cold-1" and "Question warm-1")."""
         if donor.seq_id is None:
             raise IntegrityError("a prefix donor without a sequence")
         state = self.ops.copy_own(donor.seq_id, seq_id, length)
@@ -230,10 +235,18 @@ class KVManager:
             self.parked.touch(donor)
         if not self.ops.holds_window(seq_id, length):
             raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
-        tokens = req.all_token_ids[:length]
-        if self.saved is not None and self.saved.get(tokens, req.cache_scope) is None:
-            self.saved.save(tokens, req.cache_scope, state)
+        self._keep_checkpoint(req, length, state)
+        # Below the position a cut of one would serve from the first checkpoint.
+        below = (length - 2) // self.blocks.block_size * self.blocks.block_size
+        if self.saved is not None and below >= self.blocks.block_size:
+            self._keep_checkpoint(req, below, self.ops.checkpoint(donor.seq_id, below))
         return length
+
+    def _keep_checkpoint(self, req: Request, length: int, state: bytearray | None) -> None:
+        tokens = req.all_token_ids[:length]
+        saved = self.saved
+        if state is not None and saved is not None and saved.get(tokens, req.cache_scope) is None:
+            saved.save(tokens, req.cache_scope, state)
 
     def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
         """Evicts parked sequences (oldest first) until `blocks` blocks and, if asked, a

@@ -238,15 +238,20 @@ class LlamaRunner:
             raise ValueError("recurrent state cannot be shared between sequences")
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
 
+    def checkpoint(self, src: int, length: int) -> bytearray | None:
+        """The state of src's first `length` positions with the window that position
+        `length` attends to, copied out through the probe sequence (only unmasked window
+        cells are written); None where src no longer holds that window."""
+        if self._window is None or not self._window.holds(src, length):
+            return None
+        return self._window.state_of(src, length, self.save_sequence)
+
     def copy_own(self, src: int, dst: int, length: int) -> bytearray | None:
-        """dst gets cells of its own holding src's positions [0, length) and the window
-        position `length` attends to: shared (seq_cp), written out as dst's state (only
-        unmasked window cells are written), dropped and read back into fresh cells. Returns
-        that state (a checkpoint of the prefix), or None, dst left empty, when llama.cpp
-        refused it."""
-        self.copy_sequence(src, dst, length)
-        state = self.save_sequence(dst)
-        self.clear_sequence(dst)  # no cell stays shared: the window cache can recycle them
+        """dst gets cells of its own holding src's first `length` positions and their window
+        (`checkpoint`, read back into dst): no cell is shared, so the window cache can
+        recycle every one. Returns that state, or None, dst left empty, when src no longer
+        holds the window or llama.cpp refused the state."""
+        state = self.checkpoint(src, length)
         if state is None or not self.restore_sequence(dst, state):
             return None
         return state

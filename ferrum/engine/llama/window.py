@@ -4,6 +4,7 @@ for the runner's `holds_window`: the prefix index reuses a donor's window only w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as ll
@@ -50,6 +51,15 @@ class WindowProbe:
         ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
         try:
             return bool(self._cells(self._probe) == length - lo)
+        finally:
+            ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
+
+    def state_of(self, seq_id: int, length: int, save: Callable[[int], bytearray | None]):
+        """`save`'s state of a copy of seq_id's first `length` positions, made in the probe
+        sequence and removed again; the caller checks `holds` first."""
+        ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, 0, length)
+        try:
+            return save(self._probe)
         finally:
             ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
 
