@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from ferrum.engine.contracts import KvOps
 from ferrum.engine.kv.ledger import BlockManager, IntegrityError, SeqIdPool, blocks_for
@@ -235,18 +236,23 @@ class KVManager:
             self.parked.touch(donor)
         if not self.ops.holds_window(seq_id, length):
             raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
-        self._keep_checkpoint(req, length, state)
+        self._keep_checkpoint(req, length, lambda: state)
         # Below the position a cut of one would serve from the first checkpoint.
         below = (length - 2) // self.blocks.block_size * self.blocks.block_size
-        if self.saved is not None and below >= self.blocks.block_size:
-            self._keep_checkpoint(req, below, self.ops.checkpoint(donor.seq_id, below))
+        if below >= self.blocks.block_size:
+            self._keep_checkpoint(req, below, lambda: self.ops.checkpoint(donor.seq_id, below))
         return length
 
-    def _keep_checkpoint(self, req: Request, length: int, state: bytearray | None) -> None:
-        tokens = req.all_token_ids[:length]
-        saved = self.saved
-        if state is not None and saved is not None and saved.get(tokens, req.cache_scope) is None:
-            saved.save(tokens, req.cache_scope, state)
+    def _keep_checkpoint(
+        self, req: Request, length: int, state: Callable[[], bytearray | None]
+    ) -> None:
+        """Saves req's first `length` positions (`state` writes them) unless already saved."""
+        tokens, saved = req.all_token_ids[:length], self.saved
+        if saved is None or saved.get(tokens, req.cache_scope) is not None:
+            return
+        data = state()
+        if data is not None:
+            saved.save(tokens, req.cache_scope, data)
 
     def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
         """Evicts parked sequences (oldest first) until `blocks` blocks and, if asked, a
