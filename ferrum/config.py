@@ -74,6 +74,15 @@ class EngineConfig:
             "tokens come later); 0: what --batch-size leaves",
         ),
     )
+    decode_every: int = field(
+        default=1,
+        metadata=_flag(
+            "--decode-every",
+            help="while a prompt is being computed, streams decode in every N-th step only: "
+            "fewer, fuller decodes beside long prompts (the whole burst finishes sooner) for "
+            "longer gaps in the streams; 1: every step",
+        ),
+    )
     n_predict: int = field(
         default=-1,
         metadata=_flag(

@@ -298,6 +298,7 @@ def _engine(runner: LlamaRunner, cfg: EngineConfig, path: str, metrics: Any) -> 
         prefix_cache=not cfg.no_prefix_cache,
         speculation=SpecConfig.from_engine_config(cfg),
         prefill_cap=cfg.prefill_cap,
+        decode_every=cfg.decode_every,
         tiers=TierConfig.for_model(
             cfg.cache_ram, cfg.cache_disk, cfg.cache_dir, path, runner.info.state_format
         ),

@@ -54,6 +54,7 @@ class LLMEngine:
         drafter: Callable[[SpecConfig], Drafter] | None = None,
         tiers: TierConfig | None = None,
         prefill_cap: int = 0,
+        decode_every: int = 1,
     ):
         info = runner.info
         self.runner = runner
@@ -76,6 +77,7 @@ class LLMEngine:
             token_budget=info.n_batch,
             speculator=self.speculator,
             prefill_cap=prefill_cap,
+            decode_every=decode_every,
             whole_images=info.images_whole,
         )
         self.observer = observer or EngineObserver()

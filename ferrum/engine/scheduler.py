@@ -11,6 +11,9 @@ Decodes go first so a long prompt never stalls running streams; prefills take wh
 or at most `prefill_cap` positions while streams decode in the step (`--prefill-cap`): a step
 costs about its positions, so the cap bounds how far a burst of long prompts or images
 stretches the streams' inter-token gaps, and the prompts' first tokens come later for it.
+The other way round (`--decode-every N`): while a running prompt is being computed, the
+streams decode in every N-th step only, since a decode call costs about a pass over the
+weights however few rows it holds.
 
 Images (`Request.images`): a chunk may end inside an image whose rows attend to each other
 in one direction (each row sees those before it, in this step or an earlier one). Where they
@@ -116,9 +119,12 @@ class Scheduler:
         fairness: FairShare | None = None,
         prefill_cap: int = 0,
         whole_images: bool = False,
+        decode_every: int = 1,
     ):
-        if max_running <= 0 or token_budget <= 0 or prefill_cap < 0:
-            raise ValueError("max_running and token_budget must be positive, prefill_cap ≥ 0")
+        if max_running <= 0 or token_budget <= 0 or prefill_cap < 0 or decode_every < 1:
+            raise ValueError(
+                "max_running, token_budget and decode_every must be positive, prefill_cap ≥ 0"
+            )
         self.kv = kv
         self.speculator = speculator
         self.fairness = fairness or FairShare()
@@ -127,6 +133,8 @@ class Scheduler:
         self.token_budget = token_budget
         self.prefill_cap = prefill_cap  # prompt positions a step takes beside decodes (0: all)
         self.whole_images = whole_images  # an image's rows go into one step, never split
+        self.decode_every = decode_every  # streams decode in every N-th step of a prefill
+        self._prefill_steps = 0  # steps so far that computed part of a running prompt
         self._watermark = int(kv.blocks.num_blocks * watermark)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -187,11 +195,32 @@ class Scheduler:
     def _schedule_set(self, out: SchedulerOutput, turn: AdapterSet) -> None:
         """The step for the requests of one adapter set (`turn`)."""
         sitting_out = self._fast_lane(turn)
+        if self._decodes_wait(turn):
+            budget = _Budget(self.token_budget, self.token_budget)
+            self._schedule_running_prefills(out, budget, sitting_out, turn)
+            self._admit(out, budget, turn)
+            if out.chunks:
+                return  # the prompts alone this step; else the streams decode after all
         left = self._schedule_decodes(out, self.token_budget, sitting_out, turn)
         capped = self.prefill_cap > 0 and bool(out.chunks)  # streams decode in this step
         budget = _Budget(left, min(left, self.prefill_cap) if capped else left)
         self._schedule_running_prefills(out, budget, sitting_out, turn)
         self._admit(out, budget, turn)
+
+    def _decodes_wait(self, turn: AdapterSet) -> bool:
+        """Whether the streams sit this step out (`decode_every`): a running prompt of the
+        turn is being computed and this is not its every-N-th step. A decode call costs about
+        a pass over the weights however few rows it has, so beside a long prompt fewer,
+        fuller ones finish the work sooner; the streams' gaps grow by up to N steps."""
+        if self.decode_every == 1:
+            return False
+        prefilling = any(
+            r.adapters == turn and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
+        if not prefilling:
+            return False
+        self._prefill_steps += 1
+        return self._prefill_steps % self.decode_every != 0
 
     def _fast_lane(self, turn: AdapterSet) -> frozenset[str]:
         """Admits a newcomer of a tenant below its share ahead of the decodes (its chunk is

@@ -423,6 +423,21 @@ SpeculatingEngineMachine.TestCase.settings = machine_settings(100)
 TestSpeculatingEngineStateMachine = pytest.mark.slow(SpeculatingEngineMachine.TestCase)
 
 
+class DecodeEveryEngineMachine(SpeculatingEngineMachine):
+    """The speculating traffic with `--decode-every 3`: streams sit out two of every three
+    steps that compute a running prompt. Only timing changes: the same oracles, and every
+    request still ends (a step with no prompt chunk to compute decodes the streams)."""
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        runner, engine = super().make_engine()
+        engine.scheduler.decode_every = 3
+        return runner, engine
+
+
+DecodeEveryEngineMachine.TestCase.settings = machine_settings(100)
+TestDecodeEveryEngineStateMachine = pytest.mark.slow(DecodeEveryEngineMachine.TestCase)
+
+
 class NgramEngineMachine(SpeculatingEngineMachine):
     """The same traffic with the real n-gram drafter: guesses from each request's own tokens
     and from the requests finished before it (the traffic repeats earlier prompts and

@@ -317,3 +317,33 @@ def test_a_set_without_room_passes_its_turn_within_the_step():
         out = s.schedule()
         assert [c.request.request_id for c in out.chunks] == ["base"]
         _advance(out)
+
+
+def test_decode_every_lets_streams_decode_in_every_nth_step_of_a_prefill():
+    s = _sched(64, 16, 4, 16, decode_every=3)
+    s.add(_req("a", 4))
+    _advance(s.schedule())  # a prefilled, has its first token: a stream
+    long = _req("long", 100)
+    s.add(long)
+    decoded = []
+    while long.num_output_tokens == 0:
+        out = s.schedule()
+        assert out.num_tokens <= 16 and out.has_prefill  # the prompt moves every step
+        decoded.append(any(c.request.request_id == "a" for c in out.chunks))
+        _advance(out)
+    # Admitted beside the decodes; from then on, while its prompt runs, every third step.
+    assert decoded == [i % 3 == 0 for i in range(len(decoded))] and len(decoded) >= 6
+    out = s.schedule()  # no prompt left: the streams decode every step again
+    assert {c.request.request_id for c in out.chunks} == {"a", "long"}
+
+
+def test_decode_every_never_stalls_when_no_prompt_chunk_can_go():
+    """A prompt that cannot be admitted (no sequence id) is no reason to sit out."""
+    s = _sched(64, 16, 1, 16, decode_every=3)
+    s.add(_req("a", 4))
+    _advance(s.schedule())
+    s.add(_req("waiting", 40))  # max_running 1: it waits for a
+    for _ in range(3):
+        out = s.schedule()
+        assert [c.request.request_id for c in out.chunks] == ["a"]
+        _advance(out)
