@@ -227,9 +227,10 @@ class KVManager:
         positions below, while the donor still holds that window: a saved window state
         serves only prompts that share all of it but the last position, and bursts behind
         one system prompt part a few tokens apart ("Question cold-1" and "Question warm-1")."""
-        if donor.seq_id is None:
+        src = donor.seq_id
+        if src is None:
             raise IntegrityError("a prefix donor without a sequence")
-        state = self.ops.copy_own(donor.seq_id, seq_id, length)
+        state = self.ops.copy_own(src, seq_id, length)
         if state is None:
             return 0  # a fresh prefill
         if isinstance(donor, Parked):
@@ -240,7 +241,7 @@ class KVManager:
         # Below the position a cut of one would serve from the first checkpoint.
         below = (length - 2) // self.blocks.block_size * self.blocks.block_size
         if below >= self.blocks.block_size:
-            self._keep_checkpoint(req, below, lambda: self.ops.checkpoint(donor.seq_id, below))
+            self._keep_checkpoint(req, below, lambda: self.ops.checkpoint(src, below))
         return length
 
     def _keep_checkpoint(

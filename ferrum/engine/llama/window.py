@@ -54,7 +54,9 @@ class WindowProbe:
         finally:
             ll.llama_memory_seq_rm(self._mem, self._probe, 0, -1)
 
-    def state_of(self, seq_id: int, length: int, save: Callable[[int], bytearray | None]):
+    def state_of(
+        self, seq_id: int, length: int, save: Callable[[int], bytearray | None]
+    ) -> bytearray | None:
         """`save`'s state of a copy of seq_id's first `length` positions, made in the probe
         sequence and removed again; the caller checks `holds` first."""
         ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, 0, length)
