@@ -101,13 +101,14 @@ class EngineConfig:
             help="never reuse KV across requests (resident, RAM or disk)",
         ),
     )
-    swa_full: bool = field(
+    swa_windows: bool = field(
         default=False,
         metadata=_flag(
-            "--swa-full",
-            help="give sliding-window layers (Gemma 3) a cache as large as the context, as "
-            "llama.cpp's swa_full does: more memory and slower decodes, kept for comparison "
-            "(default: sized to the windows)",
+            "--swa-windows",
+            help="size sliding-window layers' cache (Gemma 3) to their windows, as llama-server "
+            "does, instead of the context (llama.cpp's swa_full): less memory, but a prefix is "
+            "reused only from a running request or a checkpoint at a copy (not from a finished "
+            "one whose window has moved on)",
         ),
     )
     cache_ram: float = field(

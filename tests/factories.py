@@ -366,10 +366,10 @@ def llama_engine(
     speculation=None,
     lora: Sequence[str] = (),
     mmproj: str = "",
-    swa_full: bool = False,
+    swa_windows: bool = False,
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
-    order; this vision projector; `swa_full`: a window cache as large as the context),
+    order; this vision projector; `swa_windows`: a window cache sized to the windows),
     closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
@@ -380,7 +380,7 @@ def llama_engine(
         batch_size=batch,
         threads=2,
         no_prefix_cache=not prefix_cache,
-        swa_full=swa_full,
+        swa_windows=swa_windows,
     )
     runner = LlamaRunner(cfg, path, lora, mmproj=mmproj)
     try:

@@ -27,8 +27,8 @@ extra), url (any OpenAI-compatible server given with --url).
 "auto" = ferrum plus every other arm available here. The first arm is the reference that
 ratios and verdicts are stated for. The engine workload always compares ferrum's decode loop
 with llama-batched-bench, whatever --arms says: with ferrum's KV pool, with a cache per
-sequence ("llama-batched-bench streams": what the pool costs), and with a window cache as
-large as the pool ("llama-batched-bench swa_full": what --swa-full costs).
+sequence ("llama-batched-bench streams": what the pool costs), and with the window layers
+sized to their windows ("llama-batched-bench windows": what swa_full costs).
 """
 
 

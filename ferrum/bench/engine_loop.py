@@ -8,10 +8,9 @@ Both sides run as child processes, one at a time, on the same model, threads and
   the last request got its first token / time since that step.
 * ceiling: `llama-batched-bench -npp P -ntg N -npl B...` (S_TG: B*N / time of the N decode
   calls), built from the same llama.cpp by bench/build_llama_server.sh, with ferrum's KV
-  shape (one pool, window layers sized to their windows); the same with a cache per sequence
-  (`llama-batched-bench streams`), which says what the pool itself costs; and the pool with a
-  window cache as large as it (`llama-batched-bench swa_full`, ferrum's `--swa-full` and its
-  layout before issue #39), which says what `swa_full` costs.
+  shape (one pool); the same with a cache per sequence (`llama-batched-bench streams`),
+  which says what the pool itself costs; and one pool whose window layers keep only their
+  windows (`llama-batched-bench windows`), which says what `swa_full` costs.
 
 The ceiling decodes and computes logits but samples nothing and has no scheduler; ferrum's
 loop adds greedy sampling, scheduling, KV accounting and text decoding. The ratio
@@ -104,13 +103,13 @@ def _run_batch(
 
 
 # The ceilings' KV shapes, by side name: ferrum's (one pool for every sequence, the window
-# layers' cache sized to their windows); a cache per sequence, as llama.cpp keeps by default
-# (what the pool costs); the pool with the window cache as large as it (`--swa-full`: what
-# that costs; issue #39).
+# cache as large as the pool); a cache per sequence, as llama.cpp keeps by default (what the
+# pool costs); one pool with the window layers sized to their windows (what `swa_full`
+# costs; issue #39).
 CEILINGS = {
-    "llama-batched-bench": ("-kvu",),
+    "llama-batched-bench": ("-kvu", "--swa-full"),
     "llama-batched-bench streams": ("-no-kvu",),
-    "llama-batched-bench swa_full": ("-kvu", "--swa-full"),
+    "llama-batched-bench windows": ("-kvu",),
 }
 
 

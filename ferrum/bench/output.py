@@ -60,8 +60,8 @@ def describe(workload: str, s: BenchSettings) -> str:
             f"at B = {batches}. The ceiling samples nothing; ferrum / ceiling is what sampling, "
             f"scheduling and text cost. `llama-batched-bench streams` keeps a cache per "
             f"sequence instead of ferrum's one pool: the pool's own cost; `llama-batched-bench "
-            f"swa_full` gives the pool's window layers a cache as large as it (ferrum's "
-            f"`--swa-full`): what that costs."
+            f"windows` keeps the pool with the window layers sized to their windows (no "
+            f"`swa_full`): what ferrum's full-sized window cache costs."
         )
     raise ValueError(workload)
 

@@ -19,8 +19,10 @@ from tests.factories import llama_engine, run_to_completion, sampling
 from tests.tiny_models import BOS_ID
 
 
-def _engine(path: str, prefix_cache: bool = True, swa_full: bool = False):
-    return llama_engine(path, prefix_cache, ctx=256, parallel=2, batch=32, swa_full=swa_full)
+def _engine(path: str, prefix_cache: bool = True, swa_windows: bool = False):
+    return llama_engine(
+        path, prefix_cache, ctx=256, parallel=2, batch=32, swa_windows=swa_windows
+    )
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], n: int) -> dict:
@@ -78,12 +80,12 @@ def test_donor_without_its_window_is_passed_over(tiny_gemma3):
 
 def test_without_the_guard_the_copy_decodes_over_the_hole(tiny_gemma3, monkeypatch):
     """The control: the scenario above really corrupts output when the window is not checked
-    (with --swa-full, where a copy shares the donor's cells; a copy into cells of its own
-    checks the window once more as it writes the state out)."""
+    (a copy shares the donor's cells; with --swa-windows a copy into cells of its own checks
+    the window once more as it writes the state out)."""
     p = _prompts()
     with _engine(tiny_gemma3, prefix_cache=False) as engine:
         fresh = _run(engine, "b", p["b"], 12)["tokens"]
-    with _engine(tiny_gemma3, swa_full=True) as engine:
+    with _engine(tiny_gemma3) as engine:
         _holes_in_a(engine, p)
         monkeypatch.setattr(engine.runner, "holds_window", lambda seq_id, length: True)
         b = _run(engine, "b", p["b"], 12)
@@ -92,12 +94,12 @@ def test_without_the_guard_the_copy_decodes_over_the_hole(tiny_gemma3, monkeypat
 
 
 def test_a_copy_into_its_own_cells_checks_the_window_as_it_writes_it(tiny_gemma3, monkeypatch):
-    """The default window cache: even with the plan's check defeated, the copy's state is
-    written only from a donor that holds the window, so the output is a fresh prefill's."""
+    """--swa-windows: even with the plan's check defeated, the copy's state is written only
+    from a donor that holds the window, so the output is a fresh prefill's."""
     p = _prompts()
     with _engine(tiny_gemma3, prefix_cache=False) as engine:
         fresh = _run(engine, "b", p["b"], 12)["tokens"]
-    with _engine(tiny_gemma3) as engine:
+    with _engine(tiny_gemma3, swa_windows=True) as engine:
         assert engine.info.own_copies
         _holes_in_a(engine, p)
         monkeypatch.setattr(engine.runner, "holds_window", lambda seq_id, length: True)

@@ -102,7 +102,7 @@ class SlidingWindowMachine(EngineMachine):
     # A variant's engine settings: KV cache types and flash attention, --split-prefill.
     kv: dict[str, str | int] = {}
 
-    own_copies = 0  # prefix copies into cells of their own (the default window cache)
+    own_copies = 0  # prefix copies into cells of their own (--swa-windows)
 
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
@@ -163,20 +163,7 @@ def run_machine(
 
 def test_sliding_window_state_machine(tiny_gemma3):
     run_machine(SlidingWindowMachine, tiny_gemma3, 60)
-    assert SlidingWindowMachine.own_copies > 0
-
-
-class FullWindowCacheMachine(SlidingWindowMachine):
-    """The same traffic with --swa-full: a window cache as large as the context, where a
-    prefix copy shares the donor's cells instead of taking its own (`KvOps.copy_own`)."""
-
-    kv: dict[str, str | int] = {"swa_full": True}
-    own_copies = 0  # its own count: none expected
-
-
-def test_sliding_window_state_machine_full_window_cache(tiny_gemma3):
-    run_machine(FullWindowCacheMachine, tiny_gemma3, 30)
-    assert FullWindowCacheMachine.own_copies == 0
+    assert SlidingWindowMachine.own_copies == 0  # the default: copies share cells
 
 
 class _WindowDrafter:
@@ -229,6 +216,33 @@ class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
 def test_sliding_window_state_machine_with_speculation(tiny_gemma3):
     run_machine(SpeculatingSlidingWindowMachine, tiny_gemma3, 40)
     assert SpeculatingSlidingWindowMachine.drafts > 0
+
+
+class WindowSizedCacheMachine(SpeculatingSlidingWindowMachine):
+    """The speculating traffic with --swa-windows: a window cache sized to the windows, where
+    a prefix copy takes cells of its own and leaves checkpoints in the RAM tier, finished
+    sequences are saved there instead of parked, and rollbacks meet a small cache. Same
+    oracles."""
+
+    kv: dict[str, str | int] = {"swa_windows": 1}
+    own_copies = 0
+    drafts = 0
+
+    def make_engine(self):
+        runner, engine = super().make_engine()
+        copy_own = runner.copy_own
+
+        def counted(src: int, dst: int, length: int) -> bytearray | None:
+            type(self).own_copies += 1
+            return copy_own(src, dst, length)
+
+        runner.copy_own = counted  # type: ignore[method-assign]
+        return runner, engine
+
+
+def test_sliding_window_state_machine_window_sized_cache(tiny_gemma3):
+    run_machine(WindowSizedCacheMachine, tiny_gemma3, 40)
+    assert WindowSizedCacheMachine.own_copies > 0 and WindowSizedCacheMachine.drafts > 0
 
 
 class Splitting:

@@ -22,15 +22,16 @@ holds [max(0, L - n_swa + 1), L) (`KvOps.holds_window`), and checked again on th
     donor's window cache   0 ··· [recycled] ··· L-n_swa+1 ············ L ····· newest
     copy of [0, L) needs                        |<-- every position -->|
 
-By default llama.cpp sizes that cache to the windows (n_swa cells per sequence id and one
-micro-batch), which holds only while no window cell is shared: it recycles a cell only once
+With `--swa-windows` llama.cpp sizes that cache to the windows (n_swa cells per sequence id
+and a micro-batch), which holds only while no window cell is shared: it recycles a cell only once
 it has one owner. So there a copy takes cells of its own (`KvOps.copy_own`: shared, written
 out, read back) and its state stays in the tiers as a checkpoint of the prefix, for the next
 request that shares it once the donor has moved on. And since that cache grows with the
 sequence ids and every decode of the window layers attends over the part in use, a finished
 sequence is not parked there but saved to the tiers at once (where there are tiers; the
-context then has no sequence ids for parking). `--swa-full` keeps a window cache as large as
-the context, where copies share cells and finished sequences park.
+context then has no sequence ids for parking). By default the window cache is as large as the
+context (llama.cpp's swa_full): copies share cells, finished sequences park, and old window
+cells stay until the space is needed, so a finished sequence still lends its prefix.
 
 Every reuse (copy, takeover, waiting for a donor, restore) starts from the prefix index,
 which only finds owners of the request's own cache scope: requests of different scopes never

@@ -56,7 +56,7 @@ def describe(
         state_format=(
             f"llama-cpp-python {ll.__version__}; kv k={type_k} v={type_v}; "
             f"flash_attn {flash_attn}; unified; "
-            + ("swa_full" if config.swa_full or not n_swa else "swa windows")
+            + ("swa windows" if config.swa_windows and n_swa else "swa_full")
         ),
         cache_type_k=type_k,
         cache_type_v=type_v,

@@ -175,7 +175,7 @@ class LlamaRunner:
         # window layers attends over all of it that is in use: there a finished sequence goes
         # straight to the tiers instead of parking in a sequence id of its own.
         parks = not config.no_prefix_cache and not (
-            windowed and not config.swa_full and config.saves_states
+            windowed and config.swa_windows and config.saves_states
         )
         n_seq = config.parallel * (2 if parks else 1)
         cparams.n_seq_max = n_seq + (1 if windowed else 0)
@@ -185,14 +185,12 @@ class LlamaRunner:
         # One cell pool for all sequences: any request may use the whole context, and cells can
         # be shared between sequences without copying.
         cparams.kv_unified = True
-        # The window cache sized to the windows (llama.cpp: n_swa cells per sequence id and one
-        # micro-batch): each decode attends over the running sequences' windows, not over a
-        # pool as large as the context. It stays within that size only while no cell there is
-        # shared, since llama.cpp recycles a window cell only once it has one owner: so a
-        # prefix copy gets cells of its own (`copy_own`), and the ledger's count of the main
-        # cache bounds both. --swa-full: as large as the main cache, copies share cells.
-        cparams.swa_full = config.swa_full
-        self._own_copies = windowed and not config.swa_full
+        # --swa-windows: the window cache sized to the windows (n_swa cells per sequence id and
+        # a micro-batch), enough only while no cell there is shared (llama.cpp recycles a cell
+        # once it has one owner): a prefix copy gets cells of its own (`copy_own`). Default:
+        # as large as the main cache; old window cells stay until needed, copies share cells.
+        cparams.swa_full = not config.swa_windows
+        self._own_copies = windowed and config.swa_windows
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(
