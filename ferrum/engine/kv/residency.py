@@ -210,10 +210,12 @@ class KVManager:
             self.blocks.copy_on_write(req.page_table, last)  # never write a shared block
 
     def _copy_from(self, req: Request, seq_id: int, donor: Request | Parked, length: int) -> None:
-        if donor.seq_id is None:
-            raise IntegrityError("a prefix donor without a sequence")
-        self.ops.copy_sequence(donor.seq_id, seq_id, length)
+        self.ops.copy_sequence(_donor_seq(donor), seq_id, length)
         req.page_table = self.blocks.fork(donor.page_table, length)
+        self._copied(seq_id, donor, length)
+
+    def _copied(self, seq_id: int, donor: Request | Parked, length: int) -> None:
+        """After a copy: a parked donor was used, and the copy holds its whole window."""
         if isinstance(donor, Parked):
             self.parked.touch(donor)
         if not self.ops.holds_window(seq_id, length):
@@ -228,16 +230,11 @@ class KVManager:
         positions below, while the donor still holds that window: a saved window state
         serves only prompts that share all of it but the last position, and bursts behind
         one system prompt part a few tokens apart ("Question cold-1" and "Question warm-1")."""
-        src = donor.seq_id
-        if src is None:
-            raise IntegrityError("a prefix donor without a sequence")
+        src = _donor_seq(donor)
         state = self.ops.copy_own(src, seq_id, length)
         if state is None:
             return 0  # a fresh prefill
-        if isinstance(donor, Parked):
-            self.parked.touch(donor)
-        if not self.ops.holds_window(seq_id, length):
-            raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
+        self._copied(seq_id, donor, length)
         self._keep_checkpoint(req, length, lambda: state)
         # Below the position a cut of one would serve from the first checkpoint.
         below = (length - 2) // self.blocks.block_size * self.blocks.block_size
@@ -304,16 +301,16 @@ class KVManager:
             return
         resident = req.num_computed_tokens
         if park and self.prefix_cache and resident >= self.blocks.block_size:
-            self._park(req, seq_id, resident)
+            parked = self._park(req, seq_id, resident)
             if self.own_copies and self.saved is not None:
-                self.evict_one()  # to the tiers: the window cache holds running ones only
+                self._evict(parked)  # to the tiers: the window cache holds running ones only
         else:
             self.blocks.release(req.page_table)
             self.ops.clear_sequence(seq_id)
             self.seq_ids.release(seq_id)
         req.seq_id = None
 
-    def _park(self, req: Request, seq_id: int, resident: int) -> None:
+    def _park(self, req: Request, seq_id: int, resident: int) -> Parked:
         table = req.page_table
         keep = blocks_for(resident, self.blocks.block_size)
         self.blocks.free(table.blocks[keep:])  # room reserved for positions never computed
@@ -322,12 +319,17 @@ class KVManager:
         req.page_table = type(table)()
         self.parked.add(parked)
         self.index.add(parked)
+        return parked
 
     def evict_one(self, exclude: Parked | None = None, save: bool = True) -> bool:
         """Evicts the least recently used parked sequence, saving its state to the tiers."""
         victim = self.parked.oldest(exclude)
         if victim is None:
             return False
+        self._evict(victim, save)
+        return True
+
+    def _evict(self, victim: Parked, save: bool = True) -> None:
         if save:
             self._save(victim)
         self.parked.remove(victim)
@@ -336,7 +338,6 @@ class KVManager:
         self.ops.clear_sequence(victim.seq_id)
         self.seq_ids.release(victim.seq_id)
         self.evictions += 1
-        return True
 
     def bound_parked(self, running: list[Request]) -> int:
         """Before a decode: evicts parked sequences, least recently used first and saved to the
@@ -427,3 +428,9 @@ def _one_scope_per_block(owners: list[Request | Parked]) -> None:
         for block in owner.page_table.blocks:
             if scopes.setdefault(block, owner.cache_scope) != owner.cache_scope:
                 raise IntegrityError(f"block {block} is shared across cache scopes")
+
+
+def _donor_seq(donor: Request | Parked) -> int:
+    if donor.seq_id is None:
+        raise IntegrityError("a prefix donor without a sequence")
+    return donor.seq_id
