@@ -25,7 +25,7 @@ from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.openai.answers import CompletionKind
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.prompting.chat_template import ChatFormatter, Tokenize
+from ferrum.api.prompting.chat_prompt import chat_prompt, chat_prompt_parts, parting_points
 from ferrum.api.prompting.images import image_parts, prompt_with_images
 from ferrum.api.prompting.preparation import light_body
 from ferrum.api.prompting.tool_request import ToolRequest
@@ -74,6 +74,7 @@ class Prepared:
     kind: CompletionKind
     grammar: str | None = None
     images: tuple[ImageSpan, ...] = ()  # image rows at their prompt positions
+    checkpoints: tuple[int, ...] = ()  # where later prompts may part from it (`parting_points`)
 
 
 def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) -> Prepared:
@@ -88,6 +89,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
     refuse_unfit_text(model.vocab, text_bytes, model.info.n_ctx, "messages")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     spans: tuple[ImageSpan, ...] = ()
+    marks: tuple[int, ...] = ()
     if parts := image_parts(body.messages):
         encoder = None if model.images is None else model.images.scoped(scope)
         prompt, spans = prompt_with_images(
@@ -96,7 +98,8 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
                                        marked),
         )  # fmt: skip
     else:
-        prompt = chat_prompt(model.formatter, model.vocab, model.system, body, tools)
+        prompt, starts = chat_prompt_parts(model.formatter, model.vocab, model.system, body, tools)
+        marks = parting_points(starts)
     fmt = model.formatter.tool_format
     grammar = model.grammars.for_tools(tools, fmt)
     if grammar is None:
@@ -111,24 +114,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
         token_bytes=model.vocab.token_bytes,
         tool_format=fmt if tools.active else None,
     )
-    return Prepared(prompt, kind, grammar, spans)
-
-
-def chat_prompt(
-    formatter: ChatFormatter,
-    vocab: Vocabulary,
-    system: str,
-    body: ChatCompletionRequest,
-    tools: ToolRequest,
-    tokenize: Tokenize | None = None,
-) -> list[int]:
-    """A chat's prompt tokens: its messages (the preset's system prompt first when they bring
-    none) and tools rendered by the template. A cluster's ingress computes the same tokens to
-    route on (`ferrum.cluster.keys`)."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    if system and not any(m["role"] in ("system", "developer") for m in messages):
-        messages.insert(0, {"role": "system", "content": system})
-    return formatter.tokenize(messages, tokenize or vocab.tokenize, tools.template_tools())
+    return Prepared(prompt, kind, grammar, spans, marks)
 
 
 def prepare_completion(model: ServedModel, body: CompletionRequest, scope: str) -> Prepared:
@@ -272,7 +258,10 @@ def submit(
     split_think = state.split_think and kind.chat
     ids = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
     streams = [
-        engine.submit(rid, prompt, _choice_params(params, i), split_think, whole, prepared.images)
+        engine.submit(
+            rid, prompt, _choice_params(params, i), split_think, whole, prepared.images,
+            prepared.checkpoints,
+        )  # fmt: skip
         for i, rid in enumerate(ids)
     ]
     return Submission(request_id, streams, ids, engine)

@@ -3,7 +3,7 @@
 For the generation routes of every dialect (OpenAI chat and completions, Ollama's chat and
 generate, Anthropic's messages, the Responses API's first turns) the body is translated into
 the OpenAI body the replica will serve (by the path's dialect, `ferrum.api.dialects`), and
-its prompt tokens are computed as a replica computes them (`serving.chat_prompt`, the
+its prompt tokens are computed as a replica computes them (`prompting.chat_prompt`, the
 model's template, its vocabulary loaded alone): their chained block hashes are the key the
 prefix router matches against what replicas hold.
 A prompt with images is keyed up to its first image (the ingress has no projector to tell
@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from ferrum.api.dialects import translation
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.prompting.builtin_templates import resolve_template
+from ferrum.api.prompting.chat_prompt import chat_prompt
 from ferrum.api.prompting.chat_template import ChatFormatter
 from ferrum.api.prompting.images import image_parts, tokenize_with_marks
 from ferrum.api.prompting.tool_request import ToolRequest
-from ferrum.api.serving import chat_prompt, pick_adapters
+from ferrum.api.serving import pick_adapters
 from ferrum.cluster.policy import RouteKey
 from ferrum.engine.kv.prefix import block_hashes
 from ferrum.engine.llama.vocab import VocabularyFile

@@ -58,6 +58,7 @@ class _Add:
     split_think: bool
     whole: bool  # the caller reads only the finished output
     images: tuple[ImageSpan, ...] = ()
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,15 +177,17 @@ class AsyncEngine:
         split_think: bool,
         whole: bool = False,
         images: tuple[ImageSpan, ...] = (),
+        checkpoints: tuple[int, ...] = (),
     ) -> RequestStream:
         """The request's stream of outputs; `whole`: one output only, the finished one, with
         everything in it (for an answer that is not streamed); `images`: the image rows at
-        their prompt positions."""
+        their prompt positions; `checkpoints`: `LLMEngine.add_request`'s."""
         if not self.alive or self._stopping:
             raise ServiceUnavailable("the engine is not running")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt_token_ids, params, split_think, whole, images))
+        add = _Add(request_id, prompt_token_ids, params, split_think, whole, images, checkpoints)
+        self._commands.put(add)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -323,8 +326,9 @@ class AsyncEngine:
             self._held[cmd.request_id] = []
         try:
             self.core.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think, cmd.images
-            )
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.split_think, cmd.images,
+                cmd.checkpoints,
+            )  # fmt: skip
         except Exception as exc:  # the request fails, the engine goes on
             log.exception("could not add request %s", cmd.request_id)
             error = EngineError(f"could not start the request: {exc}")

@@ -68,8 +68,9 @@ class LLMEngine:
         # a sliding window keeps just enough cells to drop the last position.
         cut = None if share and info.n_swa == 0 else 1 if share else 0
         self.kv_manager = KVManager(
-            blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut, info.own_copies
-        )
+            blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut, info.own_copies,
+            window=info.n_swa if share else 0,
+        )  # fmt: skip
         self.speculator = self._speculator(speculation or SpecConfig(kind="none"), info, drafter)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -122,12 +123,18 @@ class LLMEngine:
         params: SamplingParams,
         split_think: bool = True,
         images: tuple[ImageSpan, ...] = (),
+        checkpoints: tuple[int, ...] = (),
     ) -> None:
+        """`checkpoints`: prompt positions where later requests are likely to part from this
+        one (`Request.checkpoints`); a hint, those outside the prompt are left out."""
         if request_id in self._live:
             raise InvalidRequest(f"duplicate request id {request_id}")
         self.adapters.check(params.adapters)
         self.check_images(images)
-        request = Request(request_id, list(prompt_token_ids), params, images=images)
+        n = len(prompt_token_ids)
+        marks = tuple(sorted({p for p in checkpoints if 0 < p <= n}))
+        request = Request(request_id, list(prompt_token_ids), params, images=images,
+                          checkpoints=marks)  # fmt: skip
         self.runner.start_request(request_id, params)
         text = TextPipeline(self.runner.vocab.token_bytes, params.stop, split_think)
         live = _RequestState(request, text, RequestOutput(request_id))

@@ -134,6 +134,10 @@ class Request:
     # Output tokens it had at its latest admission: how long it has run since (fairness).
     output_at_admission: int = 0
     images: tuple[ImageSpan, ...] = ()  # in prompt order, never overlapping
+    # Prompt positions where later requests are likely to part from this one (where a
+    # client's string starts: `ChatFormatter.tokenize_parts`); the window-sized cache keeps
+    # its state there (`KVManager.computed`).
+    checkpoints: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

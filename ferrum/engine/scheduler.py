@@ -169,7 +169,10 @@ class Scheduler:
     def computed(self, chunk: ScheduledChunk, accepted: int = 0) -> None:
         """The runner computed the chunk's positions and the first `accepted` of its draft:
         the one place progress moves forward."""
-        chunk.request.num_computed_tokens = chunk.start + chunk.length + accepted
+        req = chunk.request
+        req.num_computed_tokens = chunk.start + chunk.length + accepted
+        if chunk.start < req.num_prompt_tokens:
+            self.kv.computed(req, chunk.start, req.num_computed_tokens)
 
     def append_token(self, request: Request, token: int) -> None:
         request.append_output(token)

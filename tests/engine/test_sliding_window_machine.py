@@ -227,6 +227,7 @@ class WindowSizedCacheMachine(SpeculatingSlidingWindowMachine):
     kv: dict[str, str | int] = {"swa_windows": 1}
     own_copies = 0
     drafts = 0
+    checkpoint_hints = True  # as a chat's requests carry (`Request.checkpoints`)
 
     def make_engine(self):
         runner, engine = super().make_engine()
@@ -239,10 +240,17 @@ class WindowSizedCacheMachine(SpeculatingSlidingWindowMachine):
         runner.copy_own = counted  # type: ignore[method-assign]
         return runner, engine
 
+    def teardown(self) -> None:
+        checkpoints = self.engine.kv_manager.checkpoints
+        assert checkpoints is not None
+        type(self).checkpoints_kept += checkpoints.kept
+        super().teardown()
+
 
 def test_sliding_window_state_machine_window_sized_cache(tiny_gemma3):
     run_machine(WindowSizedCacheMachine, tiny_gemma3, 40)
-    assert WindowSizedCacheMachine.own_copies > 0 and WindowSizedCacheMachine.drafts > 0
+    machine = WindowSizedCacheMachine
+    assert machine.own_copies > 0 and machine.drafts > 0 and machine.checkpoints_kept > 0
 
 
 class Splitting:

@@ -263,6 +263,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         max_tokens = self.engine.clamp_max_tokens(len(prompt), max_tokens)
         grammar = self.draw_grammar(data)
+        marks = self.draw_checkpoints(data, prompt)
         base = f"r{next(self.ids)}"
         for i in range(n):  # n choices: one prompt, n requests that share its prefill
             rid = base if n == 1 else f"{base}-{i}"
@@ -273,12 +274,26 @@ class EngineMachine(RuleBasedStateMachine):
                 max_tokens=max_tokens, tenant=tenant, cache_scope=scope, grammar=grammar,
                 adapters=adapters, ignore_eos=True,
             )  # fmt: skip
-            stream = self.front.submit(rid, prompt, params, True, whole, self.spans(prompt))
+            stream = self.front.submit(
+                rid, prompt, params, True, whole, self.spans(prompt), marks
+            )
             full = scope + adapter_scope(adapters)
             self.clients[rid] = _Client(
                 rid, prompt, max_tokens, stream, whole, full, grammar, adapters
             )
         self.histories.append((prompt, (scope, adapters)))
+
+    # Whether requests carry checkpoint hints (`Request.checkpoints`), as a chat's do.
+    checkpoint_hints = False
+    checkpoints_kept = 0
+
+    def draw_checkpoints(self, data: st.DataObject, prompt: list[int]) -> tuple[int, ...]:
+        """Up to two positions of the prompt where the API would say a client string starts;
+        out-of-range ones too, which the engine must ignore."""
+        if not self.checkpoint_hints:
+            return ()
+        marks = st.lists(st.integers(-1, len(prompt) + 2), max_size=2)
+        return tuple(data.draw(marks, label="checkpoints"))
 
     @precondition(lambda self: self._waiting_ids())
     @rule(data=st.data())
@@ -516,6 +531,7 @@ class OwnCopiesEngineMachine(TieredEngineMachine):
 
     info = {"n_swa": 8, "own_copies": True}
     decodes_beside_parked = 0
+    checkpoint_hints = True
 
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
         runner, engine = super().make_engine()
@@ -539,9 +555,19 @@ class OwnCopiesEngineMachine(TieredEngineMachine):
         assert self.decodes_beside_parked == 0, "a decode ran beside a parked sequence"
         assert len(kv.parked) == 0, "a finished sequence parked"
 
+    def teardown(self) -> None:
+        checkpoints = self.engine.kv_manager.checkpoints
+        assert checkpoints is not None
+        type(self).checkpoints_kept += checkpoints.kept
+        super().teardown()
 
-OwnCopiesEngineMachine.TestCase.settings = machine_settings(100)
-TestOwnCopiesEngineStateMachine = pytest.mark.slow(OwnCopiesEngineMachine.TestCase)
+
+@pytest.mark.slow
+def test_own_copies_engine_state_machine() -> None:
+    case = OwnCopiesEngineMachine.TestCase()
+    case.settings = machine_settings(100)
+    case.runTest()
+    assert OwnCopiesEngineMachine.checkpoints_kept > 0  # the hints were acted on
 
 
 # The fake LoRA model: a cell computed under adapter set k holds its token + k × _SET_CODE,

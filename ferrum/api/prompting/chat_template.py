@@ -96,13 +96,27 @@ class ChatFormatter:
         tokenize: Tokenize,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        return self.tokenize_parts(messages, tokenize, tools)[0]
+
+    def tokenize_parts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tokenize: Tokenize,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """The prompt's tokens, and the positions where each client string (a content, a
+        tool result) starts. Template text and client strings are tokenized apart, so two
+        prompts equal up to a client string share every token before it."""
         rendered = self.render(messages, tools)
         tokens: list[int] = []
+        starts: list[int] = []
         if self.add_bos and not (self.bos_text and rendered.startswith(self.bos_text)):
             tokens = tokenize("", True, False)  # just the BOS the model expects
         for text, is_content in self._segments(messages, tools, rendered):
+            if is_content:
+                starts.append(len(tokens))
             tokens += tokenize(text, False, not is_content)
-        return tokens
+        return tokens, starts
 
     def _render(
         self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, mark: Mark

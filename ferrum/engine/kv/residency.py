@@ -25,11 +25,11 @@ holds [max(0, L - n_swa + 1), L) (`KvOps.holds_window`), and checked again on th
 With `--swa-windows` llama.cpp sizes that cache to the windows (n_swa cells per sequence id
 and a micro-batch), which holds only while no window cell is shared: it recycles a cell only once
 it has one owner. So there a copy takes cells of its own (`KvOps.copy_own`: shared, written
-out, read back) and its state stays in the tiers as a checkpoint of the prefix, for the next
-request that shares it once the donor has moved on. And since that cache grows with the
-sequence ids and every decode of the window layers attends over the part in use, a finished
-sequence is not parked there but saved to the tiers at once (where there are tiers; the
-context then has no sequence ids for parking). By default the window cache is as large as the
+out, read back). And since that cache grows with the sequence ids and every decode of the
+window layers attends over the part in use, a finished sequence is not parked there but saved
+to the tiers at once (where there are tiers; the context then has no sequence ids for
+parking); window checkpoints kept in the tiers serve the prompts that part from it earlier
+(`checkpoints.py`). By default the window cache is as large as the
 context (llama.cpp's swa_full): copies share cells, finished sequences park, and old window
 cells stay until the space is needed, so a finished sequence still lends its prefix.
 
@@ -68,9 +68,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 
 from ferrum.engine.contracts import KvOps
+from ferrum.engine.kv.checkpoints import Checkpoints
 from ferrum.engine.kv.ledger import BlockManager, IntegrityError, SeqIdPool, blocks_for
 from ferrum.engine.kv.plan import FRESH, Reuse, plan_reuse
 from ferrum.engine.kv.prefix import Parked, ParkedLRU, PrefixIndex
@@ -89,6 +89,7 @@ class KVManager:
         tiers: TierConfig | None = None,
         restore_cut: int | None = None,
         own_copies: bool = False,
+        window: int = 0,
     ):
         self.blocks = blocks
         self.seq_ids = SeqIdPool(num_seq_ids)
@@ -102,11 +103,17 @@ class KVManager:
         self.saved: SavedStates | None = None
         if prefix_cache and tiers is not None and (tiers.ram_bytes > 0 or tiers.disk_bytes > 0):
             self.saved = SavedStates(tiers, self.index)
-        # How many positions a restored state may be cut back by (None: any, 0: none).
+        # How many positions a restored state may be cut back by (None: any, 0: none),
+        # unless it is no longer than the sliding `window` (0: none), which it holds whole.
         self.restore_cut = restore_cut
+        self.window = window
         # The window cache is sized to the windows (`ModelInfo.own_copies`): a copy takes
-        # cells of its own, and with tiers a finished sequence is saved instead of parked.
+        # cells of its own, and with tiers a finished sequence is saved instead of parked,
+        # window checkpoints kept in its place.
         self.own_copies = own_copies
+        self.checkpoints: Checkpoints | None = None
+        if own_copies and self.saved is not None:
+            self.checkpoints = Checkpoints(ops, self.saved, blocks.block_size)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -223,35 +230,21 @@ class KVManager:
 
     def _copy_own(self, req: Request, seq_id: int, donor: Request | Parked, length: int) -> int:
         """A copy into cells of req's own (the ledger's blocks are all private); 0 when the
-        donor had lost the window meanwhile or llama.cpp refused the state.
-
-        Its state stays in the tiers as a checkpoint of the prefix, for later requests that
-        share it once no donor holds its window; with one more at a block boundary a few
-        positions below, while the donor still holds that window: a saved window state
-        serves only prompts that share all of it but the last position, and bursts behind
-        one system prompt part a few tokens apart ("Question cold-1" and "Question warm-1")."""
+        donor had lost the window meanwhile or llama.cpp refused the state. Its state stays
+        in the tiers as a checkpoint (`Checkpoints.copied`)."""
         src = _donor_seq(donor)
         state = self.ops.copy_own(src, seq_id, length)
         if state is None:
             return 0  # a fresh prefill
         self._copied(seq_id, donor, length)
-        self._keep_checkpoint(req, length, lambda: state)
-        # Below the position a cut of one would serve from the first checkpoint.
-        below = (length - 2) // self.blocks.block_size * self.blocks.block_size
-        if below >= self.blocks.block_size:
-            self._keep_checkpoint(req, below, lambda: self.ops.checkpoint(src, below))
+        if self.checkpoints is not None:
+            self.checkpoints.copied(req, src, length, state)
         return length
 
-    def _keep_checkpoint(
-        self, req: Request, length: int, state: Callable[[], bytearray | None]
-    ) -> None:
-        """Saves req's first `length` positions (`state` writes them) unless already saved."""
-        tokens, saved = req.all_token_ids[:length], self.saved
-        if saved is None or saved.get(tokens, req.cache_scope) is not None:
-            return
-        data = state()
-        if data is not None:
-            saved.save(tokens, req.cache_scope, data)
+    def computed(self, req: Request, start: int, end: int) -> None:
+        """req's prompt positions [start, end) were computed: window checkpoints among them."""
+        if self.checkpoints is not None:
+            self.checkpoints.computed(req, start, end)
 
     def _make_room(self, blocks: int, exclude: Parked | None, need_seq: bool) -> bool:
         """Evicts parked sequences (oldest first) until `blocks` blocks and, if asked, a
