@@ -107,8 +107,8 @@ class EngineConfig:
             "--swa-windows",
             help="size sliding-window layers' cache (Gemma 3) to their windows, as llama-server "
             "does, instead of the context (llama.cpp's swa_full): less memory, but a prefix is "
-            "reused only from a running request or a checkpoint at a copy (not from a finished "
-            "one whose window has moved on)",
+            "reused only from a running request or a window checkpoint (kept at copies, where "
+            "a chat's client strings start and at each prompt's end), and copies cost attention",
         ),
     )
     cache_ram: float = field(

@@ -40,6 +40,7 @@ STUDIES = {
     "kvtypes": "kvtypes",
     "residency": "residency",
     "vision": "vision",
+    "prefill": "prefill",
 }
 
 T = TypeVar("T", int, float, str, bool)
