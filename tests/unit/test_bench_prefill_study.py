@@ -30,3 +30,9 @@ def test_first_tokens_and_decode_steps_are_read_off_the_steps():
     got = _step_until_done(engine, 2)
     assert 0 < got["first_token_p50"] <= got["last_first_token"] <= got["total"]
     assert got["decode_step_ms"] > 0  # steps ran after both prompts were done
+
+
+def test_a_run_without_decode_steps_reports_none():
+    engine = LLMEngine(FakeRunner(info=model_info(n_ctx=1024, n_batch=32)), block_size=16)
+    engine.add_request("one", byte_tokenize("a prompt"), sampling(max_tokens=1))
+    assert "decode_step_ms" not in _step_until_done(engine, 1)
