@@ -292,7 +292,9 @@ class Scheduler:
     def _prefill_chunk(self, out: SchedulerOutput, req: Request, budget: _Budget) -> None:
         """The step's chunk of req's prompt: what `budget.prefill` allows, cut back to an
         image's start rather than inside it where images go whole. An image that alone passes
-        the cap still goes, whole, as a step's first prompt chunk (else it would never go)."""
+        the cap still goes, whole, as a step's first prompt chunk (else it would never go).
+        Where window checkpoints are kept, a chunk also ends at req's next one: there the
+        window is whole after the step (`kv/checkpoints.py`)."""
         start = req.num_computed_tokens
         n = min(req.num_tokens - start, budget.prefill)
         if self.whole_images:
@@ -300,6 +302,8 @@ class Scheduler:
             if span is not None:
                 fits = span.start == start and span.end - start <= budget.total
                 n = span.end - start if fits and not budget.taken else span.start - start
+        if self.kv.checkpoints is not None:
+            n = next((p - start for p in req.checkpoints if start < p < start + n), n)
         if n > 0:
             out.chunks.append(ScheduledChunk(req, start, n))
             budget.take(n)

@@ -109,3 +109,40 @@ def test_client_strings_start_where_the_formatter_says() -> None:
     assert parting_points(starts_a) == (starts_a[1],)
     assert parting_points([3, 9, 20, 31]) == (9, 31)
     assert parting_points([]) == ()
+
+
+def _first_chunks(engine: LLMEngine, runner: FakeRunner, prompt: list[int], marks) -> list[int]:
+    """The lengths of the prompt chunks the engine decoded for a request alone."""
+    lengths: list[int] = []
+    execute = runner.execute
+
+    def watched(items):
+        lengths.extend(len(i.tokens) for i in items)
+        return execute(items)
+
+    runner.execute = watched  # type: ignore[method-assign]
+    engine.add_request("r", prompt, sampling(max_tokens=2), checkpoints=marks)
+    run_to_completion(engine)
+    return lengths
+
+
+def test_a_hinted_position_ends_its_prefill_chunk_where_checkpoints_are_kept() -> None:
+    """At a chunk's end the window is whole after the step: a later llama_decode of the same
+    step may recycle window cells below a position inside the chunk."""
+    prompt = HEAD + byte_tokenize("When?", False)
+    runner, engine = _engine()
+    assert _first_chunks(engine, runner, prompt, (40,))[:2] == [40, 64]  # n_batch 64
+    runner, full = _engine(window_sized=False)
+    assert _first_chunks(full, runner, prompt, (40,))[:2] == [64, 64]
+
+
+def test_a_failing_checkpoint_is_counted_and_the_request_goes_on() -> None:
+    runner, engine = _engine()
+
+    def broken(src: int, length: int) -> bytearray | None:
+        raise RuntimeError("window-cache state of 7 bytes is no whole number of cells")
+
+    runner.checkpoint = broken  # type: ignore[method-assign]
+    assert _ask(engine, "first", HEAD + byte_tokenize("When?", False), marks=(len(HEAD),)) == 0
+    checkpoints = engine.kv_manager.checkpoints
+    assert checkpoints is not None and checkpoints.failed == 2 and checkpoints.kept == 0

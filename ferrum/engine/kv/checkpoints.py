@@ -21,18 +21,27 @@ window cells are gone), so the states are kept where later requests part from th
 
 Each is written after the step that computed its position, through the probe sequence
 (`KvOps.checkpoint`), while the sequence still holds the window there; one the tiers already
-hold (the same tokens and scope) is not written again. llama.cpp's server keeps checkpoints
-for the same reason, at user-message starts and a few tokens before a prompt's end.
+hold (the same tokens and scope) is not written again. A hinted position ends its prefill
+chunk (the scheduler cuts it there): a later llama_decode of the same step may recycle window
+cells the sequence itself no longer attends to, which a position inside the chunk still
+needs; at a chunk's end (and at the prompt but its last position) every cell its window needs
+is one the sequence attends to, so none is recycled. A checkpoint is a hint: one that fails
+is logged and counted (`failed`), never the request's or the step's error. llama.cpp's
+server keeps checkpoints for the same reason, at user-message starts and a few tokens before
+a prompt's end (and breaks its batch at the former).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 from ferrum.engine.contracts import KvOps
 from ferrum.engine.kv.tiers import SavedStates
 from ferrum.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -43,6 +52,7 @@ class Checkpoints:
         self.saved = saved
         self.block_size = block_size
         self.kept = 0  # states written to the tiers
+        self.failed = 0  # states llama.cpp or the tiers could not write (logged)
 
     def computed(self, req: Request, start: int, end: int) -> None:
         """After req's positions [start, end) were computed: the states at its checkpoints
@@ -67,7 +77,11 @@ class Checkpoints:
         tokens = req.all_token_ids[:length]
         if self.saved.get(tokens, req.cache_scope) is not None:
             return
-        data = state()
-        if data is not None:
-            self.saved.save(tokens, req.cache_scope, data)
-            self.kept += 1
+        try:
+            data = state()
+            if data is not None:
+                self.saved.save(tokens, req.cache_scope, data)
+                self.kept += 1
+        except Exception:  # a hint: the request goes on without it
+            self.failed += 1
+            log.exception("window checkpoint at %d positions failed", length)

@@ -61,7 +61,8 @@ With tiers (`tiers/`), an evicted sequence's state is saved first, and a fourth 
              say restoring beats computing the difference. Attention models restore any
              prefix; recurrent and hybrid ones only a saved state the prompt wholly extends
              (their state cannot be cut back); sliding-window ones that, or one cut back by a
-             single position, checked with `holds_window` (older window cells are gone)
+             single position, checked with `holds_window` (older window cells are gone),
+             or any prefix of one no longer than the window (it lost no window cell)
 """
 
 from __future__ import annotations
