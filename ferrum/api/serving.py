@@ -25,7 +25,7 @@ from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.openai.answers import CompletionKind
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from ferrum.api.openai.dialect import OPENAI
-from ferrum.api.prompting.chat_prompt import chat_prompt, chat_prompt_parts, parting_points
+from ferrum.api.prompting.chat_prompt import chat_messages, chat_prompt, parting_points
 from ferrum.api.prompting.images import image_parts, prompt_with_images
 from ferrum.api.prompting.preparation import light_body
 from ferrum.api.prompting.tool_request import ToolRequest
@@ -98,7 +98,10 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
                                        marked),
         )  # fmt: skip
     else:
-        prompt, starts = chat_prompt_parts(model.formatter, model.vocab, model.system, body, tools)
+        messages = chat_messages(model.system, body)
+        prompt, starts = model.formatter.tokenize_parts(
+            messages, model.vocab.tokenize, tools.template_tools()
+        )
         marks = parting_points(starts)
     fmt = model.formatter.tool_format
     grammar = model.grammars.for_tools(tools, fmt)

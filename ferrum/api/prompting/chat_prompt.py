@@ -3,6 +3,8 @@ and where later prompts are likely to part from it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ferrum.api.openai.bodies import ChatCompletionRequest
 from ferrum.api.prompting.chat_template import ChatFormatter, Tokenize
 from ferrum.api.prompting.tool_request import ToolRequest
@@ -20,22 +22,17 @@ def chat_prompt(
     """A chat's prompt tokens: its messages (the preset's system prompt first when they bring
     none) and tools rendered by the template. A cluster's ingress computes the same tokens to
     route on (`ferrum.cluster.keys`)."""
-    return chat_prompt_parts(formatter, vocab, system, body, tools, tokenize)[0]
+    messages = chat_messages(system, body)
+    return formatter.tokenize(messages, tokenize or vocab.tokenize, tools.template_tools())
 
 
-def chat_prompt_parts(
-    formatter: ChatFormatter,
-    vocab: Vocabulary,
-    system: str,
-    body: ChatCompletionRequest,
-    tools: ToolRequest,
-    tokenize: Tokenize | None = None,
-) -> tuple[list[int], list[int]]:
-    """`chat_prompt`'s tokens, and where each client string starts among them."""
+def chat_messages(system: str, body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The body's messages as the template reads them, the preset's `system` prompt first
+    when they bring none."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if system and not any(m["role"] in ("system", "developer") for m in messages):
         messages.insert(0, {"role": "system", "content": system})
-    return formatter.tokenize_parts(messages, tokenize or vocab.tokenize, tools.template_tools())
+    return messages
 
 
 def parting_points(starts: list[int]) -> tuple[int, ...]:
