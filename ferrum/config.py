@@ -6,29 +6,9 @@ also be set through an environment variable `FERRUM_<FIELD NAME IN CAPITALS>`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-
-def physical_cores() -> int:
-    """Physical cores this process may use; llama.cpp runs slower on hyper-threads."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            cores = set()
-            physical_id = core_id = ""
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "physical id":
-                    physical_id = value
-                elif key == "core id":
-                    core_id = value
-                    cores.add((physical_id, core_id))
-        if cores:
-            return min(len(cores), len(os.sched_getaffinity(0)))
-    except OSError:
-        pass
-    return max(1, len(os.sched_getaffinity(0)))
+from ferrum.cores import physical_cores
 
 
 def _flag(*names: str, help: str, **kw: object) -> dict[str, object]:
@@ -109,6 +89,17 @@ class EngineConfig:
             "does, instead of the context (llama.cpp's swa_full): less memory, but a prefix is "
             "reused only from a running request or a window checkpoint (kept at copies, where "
             "a chat's client strings start and at each prompt's end), and copies cost attention",
+        ),
+    )
+    kv_streams: bool = field(
+        default=False,
+        metadata=_flag(
+            "--kv-streams",
+            help="give each sequence a KV cell stream of its own (llama.cpp's non-unified "
+            "cache, as llama-server runs by default): no decode attends over another "
+            "request's cells, so many long unrelated prompts finish sooner, but one request "
+            "holds at most ctx-size / parallel positions and a shared prefix is copied, "
+            "not shared",
         ),
     )
     cache_ram: float = field(

@@ -367,10 +367,11 @@ def llama_engine(
     lora: Sequence[str] = (),
     mmproj: str = "",
     swa_windows: bool = False,
+    kv_streams: bool = False,
 ) -> Iterator[LLMEngine]:
     """An engine on a real (tiny) GGUF with llama.cpp (and these LoRA adapters, ids in
-    order; this vision projector; `swa_windows`: a window cache sized to the windows),
-    closed afterwards."""
+    order; this vision projector; `swa_windows`: a window cache sized to the windows;
+    `kv_streams`: a cell stream per sequence), closed afterwards."""
     from ferrum.config import EngineConfig
     from ferrum.engine.llama.runner import LlamaRunner
 
@@ -381,6 +382,7 @@ def llama_engine(
         threads=2,
         no_prefix_cache=not prefix_cache,
         swa_windows=swa_windows,
+        kv_streams=kv_streams,
     )
     runner = LlamaRunner(cfg, path, lora, mmproj=mmproj)
     try:

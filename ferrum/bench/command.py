@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_study(args: argparse.Namespace) -> int:
     from ferrum.bench.studies import StudyRun, load, parse_pairs, run_study
-    from ferrum.config import physical_cores
+    from ferrum.cores import physical_cores
 
     study = load(args.study)
     rounds = args.rounds or (study.quick_rounds if args.quick else study.default_rounds)
@@ -183,7 +183,7 @@ def _plan(args: argparse.Namespace) -> Any:
     from ferrum.bench.arms import build_hint, llama_cpp_build_dir
     from ferrum.bench.harness import Plan
     from ferrum.bench.studies import parse_pairs
-    from ferrum.config import physical_cores
+    from ferrum.cores import physical_cores
     from ferrum.models import BENCH_MODEL, builtin_path
 
     settings = QUICK if args.quick else FULL

@@ -107,6 +107,10 @@ class ModelInfo:
     # takes cells of its own (`KvOps.copy_own`), and where there are tiers a finished
     # sequence is saved there instead of parked, so that cache holds the running windows.
     own_copies: bool = False
+    # A cell stream per sequence id (--kv-streams): cells are never shared, a prefix copy
+    # takes cells of its own, and one sequence holds at most `n_ctx_seq` positions.
+    kv_streams: bool = False
+    n_ctx_seq: int = 0  # the most cells one sequence may hold (0: n_ctx, one pool)
 
 
 class Vocabulary(Protocol):

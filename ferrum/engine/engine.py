@@ -59,9 +59,11 @@ class LLMEngine:
         info = runner.info
         self.runner = runner
         self.info = info
-        blocks = BlockManager(info.n_ctx // block_size, block_size)
-        # Largest number of positions a single request may occupy (prompt + output).
-        self.max_positions = blocks.num_blocks * block_size
+        # Largest number of positions a single request may occupy (prompt + output): the
+        # context, or with a stream per sequence, a stream.
+        seq_cells = info.n_ctx_seq if info.kv_streams else info.n_ctx
+        blocks = BlockManager(info.n_ctx // block_size, block_size, seq_cells // block_size)
+        self.max_positions = blocks.seq_blocks * block_size
         # Recurrent state cannot be shared between sequences; only attention KV cells can.
         share = not (info.is_recurrent or info.is_hybrid)
         # A saved state may be cut back to any prefix only where attention KV is all it is;
@@ -69,7 +71,7 @@ class LLMEngine:
         cut = None if share and info.n_swa == 0 else 1 if share else 0
         self.kv_manager = KVManager(
             blocks, runner, info.n_seq_max, prefix_cache, share, tiers, cut, info.own_copies,
-            window=info.n_swa if share else 0,
+            window=info.n_swa if share else 0, streams=info.kv_streams,
         )  # fmt: skip
         self.speculator = self._speculator(speculation or SpecConfig(kind="none"), info, drafter)
         self.scheduler = Scheduler(

@@ -253,6 +253,39 @@ def test_sliding_window_state_machine_window_sized_cache(tiny_gemma3):
     assert machine.own_copies > 0 and machine.drafts > 0 and machine.checkpoints_kept > 0
 
 
+class StreamsMachine(SpeculatingSlidingWindowMachine):
+    """The speculating traffic with --kv-streams: a cell stream per sequence id, so every
+    prefix copy is a whole-stream copy cut back (its data landing at the next decode, or
+    sooner where a save or restore needs the stream: `streams.py`), finished sequences park
+    in their own stream, and the probe counts windows across streams. Same oracles."""
+
+    kv: dict[str, str | int] = {"kv_streams": 1}
+    own_copies = 0
+    drafts = 0
+    settled = 0
+
+    def make_engine(self):
+        runner, engine = super().make_engine()
+        copy_own = runner.copy_own
+
+        def counted(src: int, dst: int, length: int) -> bytearray | None:
+            type(self).own_copies += 1
+            return copy_own(src, dst, length)
+
+        runner.copy_own = counted  # type: ignore[method-assign]
+        return runner, engine
+
+    def teardown(self) -> None:
+        assert self.runner._copies is not None
+        type(self).settled += self.runner._copies.settled
+        super().teardown()
+
+
+def test_sliding_window_state_machine_streams(tiny_gemma3):
+    run_machine(StreamsMachine, tiny_gemma3, 40)
+    assert StreamsMachine.own_copies > 0 and StreamsMachine.drafts > 0
+
+
 class Splitting:
     """Mixed into a machine: its engine decodes prefill chunks of 4 tokens or more in a
     llama_decode apart from the step's other rows (`decode_parts.py`; the oracle decodes

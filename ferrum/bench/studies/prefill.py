@@ -14,6 +14,7 @@ ignored). Arms are engine settings, alternated one child at a time:
   decode-every-3   `--decode-every 3`: streams decode in every third step of a prefill
   batch-1024       `--batch-size 1024`: longer prefill chunks, fewer steps beside them
   split-0          `--split-prefill 0`: decodes in the prefill's llama_decode
+  kv-streams       `--kv-streams`: a cell stream per sequence, as llama-server's slots
 
 Metrics: when the last prompt got its first token (all prefills done), the median first
 token, the whole run, and the mean step once every prompt is done (pure decoding).
@@ -46,6 +47,7 @@ ARMS: dict[str, tuple[dict[str, Any], int | None]] = {
     "decode-every-3": ({"decode_every": 3}, None),
     "batch-1024": ({"batch_size": 1024}, None),
     "split-0": ({"split_prefill": 0}, None),
+    "kv-streams": ({"kv_streams": True}, None),
 }
 
 

@@ -19,6 +19,7 @@ Sequence ids obey the same rules through `SeqIdPool`: each id has at most one ow
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,11 +41,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, seq_blocks: int = 0):
+        """`seq_blocks`: the most blocks one page table may hold (0: all; with a cell stream
+        per sequence, a stream's)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.seq_blocks = min(seq_blocks, num_blocks) if seq_blocks > 0 else num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
 
@@ -83,10 +87,11 @@ class BlockManager:
 
     def grow(self, table: PageTable, num_tokens: int) -> bool:
         """Gives `table` room for `num_tokens` positions; False (and no change) if it can't."""
-        need = blocks_for(num_tokens, self.block_size) - len(table.blocks)
+        want = blocks_for(num_tokens, self.block_size)
+        need = want - len(table.blocks)
         if need <= 0:
             return True
-        if need > len(self._free):
+        if need > len(self._free) or want > self.seq_blocks:
             return False
         table.blocks.extend(self.allocate(need))
         return True
@@ -136,8 +141,8 @@ class SeqIdPool:
 
     def __init__(self, size: int):
         self.size = size
-        self._free: list[int] = list(range(size - 1, -1, -1))
-        self._used: set[int] = set()
+        self._free: list[int] = list(range(size))  # a heap: the lowest free id first, so
+        self._used: set[int] = set()  # with a stream per id, running ones lie side by side
 
     @property
     def num_free(self) -> int:
@@ -146,7 +151,7 @@ class SeqIdPool:
     def acquire(self) -> int | None:
         if not self._free:
             return None
-        seq = self._free.pop()
+        seq = heapq.heappop(self._free)
         self._used.add(seq)
         return seq
 
@@ -154,7 +159,7 @@ class SeqIdPool:
         if seq not in self._used:
             raise IntegrityError(f"release of unowned sequence id {seq}")
         self._used.remove(seq)
-        self._free.append(seq)
+        heapq.heappush(self._free, seq)
 
     def check_integrity(self, owned: Iterable[int]) -> None:
         owned = list(owned)

@@ -83,8 +83,8 @@ def _restorable(kv: KVManager, entry: Saved, length: int) -> bool:
     cut = entry.length - length
     # A window model's state no longer than its window lost no window cell: any cut serves.
     allowed = kv.restore_cut is None or cut <= kv.restore_cut or entry.length <= kv.window
-    # A state saved by a server with a larger context may not fit this pool at all.
-    fits = blocks_for(entry.length + 1, kv.blocks.block_size) <= kv.blocks.num_blocks
+    # A state saved by a server with a larger context may not fit a sequence here at all.
+    fits = blocks_for(entry.length + 1, kv.blocks.block_size) <= kv.blocks.seq_blocks
     return length >= kv.blocks.block_size and allowed and fits
 
 

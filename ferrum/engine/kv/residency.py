@@ -91,6 +91,7 @@ class KVManager:
         restore_cut: int | None = None,
         own_copies: bool = False,
         window: int = 0,
+        streams: bool = False,
     ):
         self.blocks = blocks
         self.seq_ids = SeqIdPool(num_seq_ids)
@@ -112,6 +113,9 @@ class KVManager:
         # cells of its own, and with tiers a finished sequence is saved instead of parked,
         # window checkpoints kept in its place.
         self.own_copies = own_copies
+        # A cell stream per sequence id (--kv-streams): every copy takes cells of its own,
+        # and a parked sequence costs no other sequence's decode.
+        self.streams = streams
         self.checkpoints: Checkpoints | None = None
         if own_copies and self.saved is not None:
             self.checkpoints = Checkpoints(ops, self.saved, blocks.block_size)
@@ -134,7 +138,8 @@ class KVManager:
             # Restored whole before it is cut back to the match: room for all of it first.
             need = max(blocks_for(req.num_tokens + 1, bs), blocks_for(reuse.saved.length, bs))
         else:
-            shared = 0 if donor is None or self.own_copies else reuse.length // bs
+            private = donor is None or self.own_copies or self.streams
+            shared = 0 if private else reuse.length // bs
             if reuse.takeover and donor is not None:
                 shared = len(donor.page_table.blocks)
             need = max(0, blocks_for(req.num_tokens + 1, bs) - shared)
@@ -172,7 +177,7 @@ class KVManager:
             seq_id = req.seq_id = self.seq_ids.acquire()
             if seq_id is None:
                 raise IntegrityError("admission made room but no sequence id is free")
-            if donor is not None and self.own_copies:
+            if donor is not None and (self.own_copies or self.streams):
                 reused = self._copy_own(req, seq_id, donor, reuse.length)
             elif donor is not None:
                 self._copy_from(req, seq_id, donor, reuse.length)
@@ -272,6 +277,8 @@ class KVManager:
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Room for num_tokens positions, evicting parked sequences if needed."""
+        if blocks_for(num_tokens, self.blocks.block_size) > self.blocks.seq_blocks:
+            return False  # more than one sequence may hold: evicting would not help
         while not self.blocks.grow(req.page_table, num_tokens):
             if not self.evict_one():
                 return False
@@ -344,6 +351,8 @@ class KVManager:
         bounded so, it stays at 9.4-10.1 ms. A parked sequence is still reused at once by the
         request that arrives next (admission runs before this), and later from the RAM tier.
         Without tiers an evicted sequence would be lost, so nothing is bounded there."""
+        if self.streams:
+            return 0  # a parked stream is attended by no decode but its own
         used = self.blocks.num_blocks - self.blocks.num_free
         # Only parked ones hold at most parked.num_blocks (cached); running ones the rest.
         if self.saved is None or 2 * self.parked.num_blocks <= used:

@@ -25,6 +25,7 @@ def model_meta(model: Any, key: str) -> str:
 def describe(
     model: Any, ctx: Any, vocab: LlamaVocab, path: str, config: EngineConfig,
     kv_bytes_per_cell: int, *, probe: bool, projector: Projector | None, own_copies: bool,
+    streams: bool,
 ) -> ModelInfo:  # fmt: skip
     """`probe`: one sequence id is the window probe's, not the engine's (`window.py`)."""
     desc = ctypes.create_string_buffer(256)
@@ -55,7 +56,7 @@ def describe(
         # to llama.cpp: all are in the fingerprint.
         state_format=(
             f"llama-cpp-python {ll.__version__}; kv k={type_k} v={type_v}; "
-            f"flash_attn {flash_attn}; unified; "
+            f"flash_attn {flash_attn}; {'streams' if streams else 'unified'}; "
             + ("swa windows" if config.swa_windows and n_swa else "swa_full")
         ),
         cache_type_k=type_k,
@@ -65,4 +66,6 @@ def describe(
         vision=projector is not None,
         images_whole=projector is not None and projector.non_causal,
         own_copies=own_copies,
+        kv_streams=streams,
+        n_ctx_seq=ll.llama_n_ctx_seq(ctx),
     )

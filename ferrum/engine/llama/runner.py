@@ -30,16 +30,17 @@ from ferrum.config import EngineConfig
 from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
+from ferrum.engine.llama.context_params import context_params
 from ferrum.engine.llama.decode_parts import decode_parts
 from ferrum.engine.llama.describe import describe, model_meta
 from ferrum.engine.llama.sampler import Sampler
 from ferrum.engine.llama.step_sampling import Row, sample_rows
+from ferrum.engine.llama.streams import StreamCopies
 from ferrum.engine.llama.vision import EmbeddingBatch, Projector, cut
 from ferrum.engine.llama.vocab import LlamaVocab
 from ferrum.engine.llama.window import WindowProbe
 from ferrum.engine.request import SamplingParams
 from ferrum.errors import ModelLoadError
-from ferrum.kv_types import cell_type, check_kv_settings
 
 log = logging.getLogger("ferrum.llama")
 
@@ -64,13 +65,6 @@ def route_llama_logs() -> None:
     ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
-_FLASH_ATTN = {
-    "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-    "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-    "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
-}
-
-
 class LlamaRunner:
     def __init__(
         self,
@@ -93,6 +87,9 @@ class LlamaRunner:
         self._batch: Any = None
         self._window: WindowProbe | None = None
         self._own_copies = False  # prefix copies take cells of their own (`copy_own`)
+        self._streams = False  # a cell stream per sequence id (--kv-streams)
+        self._spare = False  # the context has one sequence id beyond the engine's
+        self._copies: StreamCopies | None = None  # copies between streams (`streams.py`)
         self._samplers: dict[str, Sampler] = {}
         self._adapters: LoraAdapters | None = None
         self._projector: Projector | None = None
@@ -118,8 +115,8 @@ class LlamaRunner:
             log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
         self._info = describe(
             self._model, self._ctx, self._vocab, model_path, config, kv_bytes_per_cell,
-            probe=self._window is not None, projector=self._projector,
-            own_copies=self._own_copies,
+            probe=self._spare, projector=self._projector,
+            own_copies=self._own_copies, streams=self._streams,
         )  # fmt: skip
 
     @property
@@ -150,47 +147,9 @@ class LlamaRunner:
         )
 
     def _init_context(self, config: EngineConfig) -> None:
-        threads = config.resolved_threads()
-        try:  # refused here with the flag's name, not as a null context below
-            check_kv_settings(config.cache_type_k, config.cache_type_v, config.flash_attn)
-        except ValueError as exc:
-            raise ModelLoadError(str(exc)) from exc
-        cparams = ll.llama_context_default_params()
-        cparams.type_k = cell_type(config.cache_type_k).ggml_type
-        cparams.type_v = cell_type(config.cache_type_v).ggml_type
-        cparams.flash_attn_type = _FLASH_ATTN[config.flash_attn]
-        cparams.n_ctx = config.ctx_size
-        cparams.n_batch = config.batch_size
-        # n_ubatch == n_batch: one llama_decode is one micro-batch, so a failed decode has
-        # committed nothing to the KV cache and the step can be retried or split safely.
-        cparams.n_ubatch = config.batch_size
-        # Sequence ids beyond --parallel hold parked sequences kept for prefix reuse; a model
-        # with a sliding window gets one more, the probe that `holds_window` copies into.
-        # Recurrent and hybrid models never copy a prefix (only takeover), so need no probe.
-        copies = not (
-            ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model)
-        )
-        windowed = ll.llama_model_n_swa(self._model) > 0 and copies and not config.no_prefix_cache
-        # A window cache sized to the windows grows with n_seq_max, and each decode of the
-        # window layers attends over all of it that is in use: there a finished sequence goes
-        # straight to the tiers instead of parking in a sequence id of its own.
-        parks = not config.no_prefix_cache and not (
-            windowed and config.swa_windows and config.saves_states
-        )
-        n_seq = config.parallel * (2 if parks else 1)
-        cparams.n_seq_max = n_seq + (1 if windowed else 0)
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        # One cell pool for all sequences: any request may use the whole context, and cells can
-        # be shared between sequences without copying.
-        cparams.kv_unified = True
-        # --swa-windows: the window cache sized to the windows (n_swa cells per sequence id and
-        # a micro-batch), enough only while no cell there is shared (llama.cpp recycles a cell
-        # once it has one owner): a prefix copy gets cells of its own (`copy_own`). Default:
-        # as large as the main cache; old window cells stay until needed, copies share cells.
-        cparams.swa_full = not config.swa_windows
-        self._own_copies = windowed and config.swa_windows
+        cparams, layout = context_params(self._model, config)
+        self._own_copies, self._streams = layout.own_copies, layout.streams
+        self._spare = layout.spare
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(
@@ -201,12 +160,15 @@ class LlamaRunner:
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
         self._mem = ll.llama_get_memory(self._ctx)
         self._window = None
-        if windowed:
+        if layout.streams and layout.spare:
+            self._copies = StreamCopies(self._ctx, self._mem, self._batch, layout.n_seq)
+        if layout.windowed:
             # Llama 4 windows are chunks: position p sees back to the start of its own chunk.
             chunked = model_meta(self._model, "general.architecture") == "llama4"
             self._window = WindowProbe(
-                self._ctx, self._mem, self._model, self._batch, n_seq, chunked
-            )
+                self._ctx, self._mem, self._model, self._batch, layout.n_seq, chunked,
+                layout.streams,
+            )  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------
 
@@ -232,8 +194,8 @@ class LlamaRunner:
 
     def copy_sequence(self, src: int, dst: int, length: int) -> None:
         """dst shares src's cells for positions [0, length): metadata only on a unified KV."""
-        if self.info.is_recurrent or self.info.is_hybrid:
-            raise ValueError("recurrent state cannot be shared between sequences")
+        if self.info.is_recurrent or self.info.is_hybrid or self._streams:
+            raise ValueError("cells are not shared between recurrent states or streams")
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
 
     def checkpoint(self, src: int, length: int) -> bytearray | None:
@@ -249,6 +211,9 @@ class LlamaRunner:
         (`checkpoint`, read back into dst): no cell is shared, so the window cache can
         recycle every one. Returns that state, or None, dst left empty, when src no longer
         holds the window or llama.cpp refused the state."""
+        if self._copies is not None:  # --kv-streams: the caller checks the window
+            self._copies.copy(src, dst, length)
+            return bytearray()  # no state of its own: nothing to keep as a checkpoint
         state = self.checkpoint(src, length)
         if state is None or not self.restore_sequence(dst, state):
             return None
@@ -260,6 +225,8 @@ class LlamaRunner:
         return self._window is None or self._window.holds(seq_id, length)
 
     def save_sequence(self, seq_id: int) -> bytearray | None:
+        if self._copies is not None:
+            self._copies.settle(seq_id)
         size = int(ll.llama_state_seq_get_size(self._ctx, seq_id))
         if size <= 0:
             return None
@@ -270,6 +237,8 @@ class LlamaRunner:
         return state if written == size else None
 
     def restore_sequence(self, seq_id: int, state: bytearray) -> bool:
+        if self._copies is not None:
+            self._copies.settle(seq_id)
         view = (ctypes.c_uint8 * len(state)).from_buffer(state)
         read = int(ll.llama_state_seq_set_data(self._ctx, view, len(state), seq_id))
         del view
@@ -355,6 +324,11 @@ class LlamaRunner:
         n = 0
         # (item index, item, batch index of the last real token, request id)
         sample_at: list[tuple[int, BatchItem, int, str]] = []
+        if self._streams:
+            # llama.cpp puts rows of several streams in one micro-batch only where their
+            # sequence ids follow one another in batch order: else a decode costs a pass of
+            # the weights per run of ids.
+            idx = sorted(idx, key=lambda i: items[i].seq_id)
         for i in idx:
             item = items[i]
             seq, p = item.seq_id, item.start_pos
@@ -380,6 +354,8 @@ class LlamaRunner:
         result.decode_s += time.perf_counter() - start
         if rc != 0:
             return rc
+        if self._copies is not None:
+            self._copies.decoded()
         self._sample(sample_at, result)
         return 0
 

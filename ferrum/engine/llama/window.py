@@ -33,10 +33,15 @@ class WindowProbe:
     newest position is below L, so every cell it holds is counted.
     """
 
-    def __init__(self, ctx: Any, mem: Any, model: Any, batch: Any, probe_seq: int, chunked: bool):
+    def __init__(
+        self, ctx: Any, mem: Any, model: Any, batch: Any, probe_seq: int, chunked: bool,
+        streams: bool = False,
+    ):  # fmt: skip
         """`batch`: the runner's llama_batch, lent for the calibration's two-token decode;
-        `chunked`: windows are chunks (Llama 4), not a span back from each position."""
+        `chunked`: windows are chunks (Llama 4), not a span back from each position;
+        `streams`: each sequence id has a cell stream of its own (`--kv-streams`)."""
         self._ctx, self._mem, self._probe = ctx, mem, probe_seq
+        self._streams = streams
         self._n_swa = ll.llama_model_n_swa(model)
         self._chunked = chunked
         self._empty, self._base, self._per_cell = self._calibrate(batch)
@@ -48,7 +53,14 @@ class WindowProbe:
             lo = max(0, length - self._n_swa + 1)
         if lo >= length:
             return True
-        ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
+        if self._streams:
+            # Between streams llama.cpp copies only whole ones (its cells now, their tensor
+            # data at the next decode, which the probe never reads): copy all, cut to [lo, L).
+            ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, -1, -1)
+            ll.llama_memory_seq_rm(self._mem, self._probe, length, -1)
+            ll.llama_memory_seq_rm(self._mem, self._probe, 0, lo)
+        else:
+            ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, lo, length)
         try:
             return bool(self._cells(self._probe) == length - lo)
         finally:
@@ -58,7 +70,9 @@ class WindowProbe:
         self, seq_id: int, length: int, save: Callable[[int], bytearray | None]
     ) -> bytearray | None:
         """`save`'s state of a copy of seq_id's first `length` positions, made in the probe
-        sequence and removed again; the caller checks `holds` first."""
+        sequence and removed again; the caller checks `holds` first. One stream only."""
+        if self._streams:
+            raise ValueError("a window state is copied out through a shared stream only")
         ll.llama_memory_seq_cp(self._mem, seq_id, self._probe, 0, length)
         try:
             return save(self._probe)
