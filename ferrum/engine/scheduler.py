@@ -268,6 +268,10 @@ class Scheduler:
         spec = self.speculator
         if spec is None or not chunks or budget <= 0:
             return 0
+        if self.kv.streams and len(chunks) > 1:
+            # With a stream per sequence llama.cpp puts only rows of equal length in one
+            # micro-batch: one drafting request among others costs a pass of the weights.
+            return 0
         share = spec.config.batch_max // len(chunks)
         drafts = spec.plan([c.request for c in chunks], share, limit=budget)
         placed = 0

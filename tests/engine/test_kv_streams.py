@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ferrum.engine.engine import InvalidRequest
+from ferrum.errors import ModelLoadError
 from tests.engine.test_prefix_reuse import SYSTEM, _conversation, _run
 from tests.factories import llama_engine
 
@@ -62,8 +63,6 @@ def test_a_request_holds_at_most_a_stream(tiny_llama):
 
 
 def test_streams_and_window_sized_cache_are_refused_together(tiny_gemma3):
-    from ferrum.errors import ModelLoadError
-
-    with pytest.raises(ModelLoadError, match="--kv-streams"):
-        with llama_engine(tiny_gemma3, kv_streams=True, swa_windows=True):
-            pass
+    refused = pytest.raises(ModelLoadError, match="--kv-streams")
+    with refused, llama_engine(tiny_gemma3, kv_streams=True, swa_windows=True):
+        pass

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
-from ferrum.engine.contracts import BatchItem, StepResult
+from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.engine import LLMEngine
 from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.outputs import RequestOutput
@@ -486,13 +486,16 @@ class TieredEngineMachine(EngineMachine):
 
         if self.folder is None:
             self.folder = Path(tempfile.mkdtemp(prefix="ferrum-tiers-"))
-        runner = FakeRunner(info=model_info(n_ctx=128, n_batch=24, n_seq_max=6, **self.info))
+        runner = FakeRunner(info=self.model())
         # A fake state is 4 bytes a position: RAM holds two or three, the disk a dozen.
         tiers = TierConfig(400, 2_000, self.folder, "fake", io_thread=False)
         engine = LLMEngine(runner, block_size=8, max_running=3, tiers=tiers)
         assert engine.kv_manager.saved is not None
         engine.kv_manager.saved.costs = AlwaysRestore()
         return runner, engine
+
+    def model(self) -> ModelInfo:
+        return model_info(n_ctx=128, n_batch=24, n_seq_max=6, **self.info)
 
     @precondition(lambda self: self.front.idle)
     @rule()
@@ -568,6 +571,45 @@ def test_own_copies_engine_state_machine() -> None:
     case.settings = machine_settings(100)
     case.runTest()
     assert OwnCopiesEngineMachine.checkpoints_kept > 0  # the hints were acted on
+
+
+class StreamsEngineMachine(TieredEngineMachine):
+    """The tiered traffic with a cell stream per sequence id (--kv-streams): six streams of
+    128 cells, every prefix copy into cells of its own, finished sequences parked in their
+    own stream and never bounded. Same oracles."""
+
+    copies = 0
+
+    def model(self) -> ModelInfo:
+        return model_info(n_ctx=768, n_ctx_seq=128, kv_streams=True, n_batch=24, n_seq_max=6)
+
+    def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
+        runner, engine = super().make_engine()
+        assert engine.kv_manager.streams and engine.max_positions == 128
+        copy_own = runner.copy_own
+
+        def counted(src: int, dst: int, length: int) -> bytearray | None:
+            type(self).copies += 1
+            return copy_own(src, dst, length)
+
+        runner.copy_own = counted  # type: ignore[method-assign]
+        return runner, engine
+
+    @invariant()
+    def nothing_shared_no_table_beyond_a_stream(self) -> None:
+        kv = self.engine.kv_manager
+        for owner in [*self.engine.scheduler.running, *kv.parked]:
+            blocks = owner.page_table.blocks
+            assert all(kv.blocks.ref_count(b) == 1 for b in blocks), "a shared block"
+            assert len(blocks) <= kv.blocks.seq_blocks, "a sequence beyond its stream"
+
+
+@pytest.mark.slow
+def test_streams_engine_state_machine() -> None:
+    case = StreamsEngineMachine.TestCase()
+    case.settings = machine_settings(100)
+    case.runTest()
+    assert StreamsEngineMachine.copies > 0
 
 
 # The fake LoRA model: a cell computed under adapter set k holds its token + k × _SET_CODE,

@@ -458,3 +458,31 @@ def test_metrics_count_guesses_and_kept_ones():
     assert spec["verifications"] > 0
     text = metrics.render().decode()
     assert "ferrum_spec_accepted_tokens_total" in text and "ferrum_spec_draft_tokens_total" in text
+
+
+def test_with_a_stream_per_sequence_only_a_lone_decode_guesses():
+    """--kv-streams: llama.cpp puts only rows of equal length from several streams into one
+    micro-batch, so a guess beside another decode would cost a pass of its own."""
+    info = model_info(n_ctx=512, n_ctx_seq=128, kv_streams=True, n_batch=32, n_seq_max=4)
+    runner = FakeRunner(info=info)
+    engine = _engine(runner, spec=True)
+    widths: list[tuple[int, int]] = []  # (decoding rows, rows with guesses) per step
+    execute = runner.execute
+
+    def seen(items):
+        decodes = [i for i in items if i.sample_for is not None]
+        widths.append((len(decodes), sum(1 for i in decodes if i.draft)))
+        return execute(items)
+
+    runner.execute = seen  # type: ignore[method-assign]
+    engine.add_request("a", [256, *b"abc"], sampling(max_tokens=20))
+    engine.add_request("b", [256, *b"xyz"], sampling(max_tokens=40))
+    got = run_to_completion(engine)
+    assert all(drafted == 0 for rows, drafted in widths if rows > 1)
+    assert any(drafted for rows, drafted in widths if rows == 1)  # b alone, after a ended
+    plain = FakeRunner(info=info)
+    alone = _engine(plain, spec=False)
+    alone.add_request("a", [256, *b"abc"], sampling(max_tokens=20))
+    alone.add_request("b", [256, *b"xyz"], sampling(max_tokens=40))
+    want = run_to_completion(alone)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
