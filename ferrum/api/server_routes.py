@@ -97,4 +97,6 @@ def _n_vocab(model: Loaded) -> int:
 
 
 def _n_ctx(model: Loaded) -> int:
-    return model.info.n_ctx if isinstance(model, ServedModel) else model.embedder.info.max_tokens
+    if isinstance(model, ServedModel):
+        return model.info.request_ctx
+    return model.embedder.info.max_tokens

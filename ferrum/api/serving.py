@@ -86,7 +86,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
     the same output, so they are refused together."""
     body.reject_unsupported()
     text_bytes = sum(utf8_length(m.text()) for m in body.messages)
-    refuse_unfit_text(model.vocab, text_bytes, model.info.n_ctx, "messages")
+    refuse_unfit_text(model.vocab, text_bytes, model.info.request_ctx, "messages")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
     spans: tuple[ImageSpan, ...] = ()
     marks: tuple[int, ...] = ()
@@ -125,7 +125,7 @@ def prepare_completion(model: ServedModel, body: CompletionRequest, scope: str) 
     body.reject_unsupported()
     prompt_in = body.prompt_input()
     if isinstance(prompt_in, str):
-        refuse_unfit_text(model.vocab, utf8_length(prompt_in), model.info.n_ctx, "prompt")
+        refuse_unfit_text(model.vocab, utf8_length(prompt_in), model.info.request_ctx, "prompt")
         prompt = model.vocab.tokenize(prompt_in, True, True)
     else:
         prompt = check_token_ids(model.info.n_vocab, prompt_in, "prompt")

@@ -87,7 +87,7 @@ def _props_json(state: ServerState, model: ServedModel, view: EngineView | None)
         "modalities": {"vision": False, "audio": False},
         "is_sleeping": False,
         "default_generation_settings": {
-            "n_ctx": info.n_ctx,
+            "n_ctx": info.request_ctx,
             "speculative": view.speculative if view else False,
             "params": {"n_predict": model.default_max_tokens, **model.sampling},
         },

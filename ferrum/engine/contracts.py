@@ -112,6 +112,11 @@ class ModelInfo:
     kv_streams: bool = False
     n_ctx_seq: int = 0  # the most cells one sequence may hold (0: n_ctx, one pool)
 
+    @property
+    def request_ctx(self) -> int:
+        """The context one request may fill (what the APIs report as its context length)."""
+        return self.n_ctx_seq if self.kv_streams and self.n_ctx_seq else self.n_ctx
+
 
 class Vocabulary(Protocol):
     """The model's tokenizer and grammar parser: read-only, safe from any thread."""

@@ -54,12 +54,13 @@ def test_streams_reuse_equals_a_fresh_prefill(any_model):
 def test_a_request_holds_at_most_a_stream(tiny_llama):
     with llama_engine(tiny_llama, ctx=1024, parallel=4, kv_streams=True) as engine:
         assert engine.info.kv_streams and engine.max_positions == 256
+        assert engine.info.request_ctx == 256  # the context length the APIs report
         assert engine.clamp_max_tokens(200, 1000) == 56
         with pytest.raises(InvalidRequest):
             engine.clamp_max_tokens(256, 1)
         # Without streams any request may use the whole context.
     with llama_engine(tiny_llama, ctx=1024, parallel=4) as engine:
-        assert engine.max_positions == 1024
+        assert engine.max_positions == engine.info.request_ctx == 1024
 
 
 def test_streams_and_window_sized_cache_are_refused_together(tiny_gemma3):

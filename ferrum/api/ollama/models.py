@@ -413,5 +413,5 @@ def _kv_cache(model: ServedModel) -> dict[str, Any]:
 
 def _context(model: Loaded) -> int:
     if isinstance(model, ServedModel):
-        return model.info.n_ctx
+        return model.info.request_ctx
     return model.embedder.info.max_tokens

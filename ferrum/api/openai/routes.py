@@ -173,7 +173,7 @@ def _model_card(state: ServerState, spec: ModelSpec) -> dict[str, Any]:
             card["meta"] = {
                 "architecture": info.architecture,
                 "description": info.description,
-                "n_ctx": info.n_ctx,
+                "n_ctx": info.request_ctx,
                 "n_ctx_train": info.n_ctx_train,
                 "n_vocab": info.n_vocab,
             }

@@ -1,6 +1,7 @@
 """KV memory accounting: fixed-size blocks, page tables, reference counts, sequence ids.
 
-llama.cpp owns the real KV cells (one unified cache shared by all sequences). This module is
+llama.cpp owns the real KV cells (one unified cache shared by all sequences, or with
+`--kv-streams` a stream per sequence, of which a page table holds at most one). This module is
 the engine's ledger of them: the engine never asks llama.cpp for more cells than the ledger
 has handed out, so a decode never runs out of KV slots mid-request.
 

@@ -33,6 +33,11 @@ parking); window checkpoints kept in the tiers serve the prompts that part from 
 context (llama.cpp's swa_full): copies share cells, finished sequences park, and old window
 cells stay until the space is needed, so a finished sequence still lends its prefix.
 
+With `--kv-streams` every sequence id has a cell stream of its own (`KVManager.streams`):
+cells are never shared, so a copy takes cells of its own too (the donor's stream copied whole
+and cut back, `llama/streams.py`), a parked sequence costs no other decode (never bounded),
+and a page table holds at most a stream's blocks (`BlockManager.seq_blocks`).
+
 Every reuse (copy, takeover, waiting for a donor, restore) starts from the prefix index,
 which only finds owners of the request's own cache scope: requests of different scopes never
 share a block, which `check_integrity` proves on the ledger. Images take part like text: an
