@@ -322,6 +322,17 @@ def _tokens_or_rows(item: BatchItem) -> None:
                                  f"{token}, {'an' if i in rows else 'no'} image row")  # fmt: skip
 
 
+def count_copies(runner: object, seen: Callable[[int], None]) -> None:
+    """Calls `seen(length)` on each of runner's prefix copies into cells of its own."""
+    copy_own = runner.copy_own  # type: ignore[attr-defined]
+
+    def counted(src: int, dst: int, length: int) -> bytearray | None:
+        seen(length)
+        return copy_own(src, dst, length)
+
+    runner.copy_own = counted  # type: ignore[attr-defined]
+
+
 def fake_engine(
     runner: FakeRunner | None = None, block_size: int = 16, prefix_cache: bool = True
 ) -> LLMEngine:

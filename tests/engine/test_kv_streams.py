@@ -10,7 +10,7 @@ import pytest
 from ferrum.engine.engine import InvalidRequest
 from ferrum.errors import ModelLoadError
 from tests.engine.test_prefix_reuse import SYSTEM, _conversation, _run
-from tests.factories import llama_engine
+from tests.factories import count_copies, llama_engine
 
 
 @pytest.fixture(params=["llama", "gemma3", "mamba"])
@@ -28,15 +28,8 @@ def test_streams_reuse_equals_a_fresh_prefill(any_model):
         fresh_burst = _run(engine, prompts)
         fresh_turns, _ = _conversation(engine, 4)
     with llama_engine(any_model, kv_streams=True) as engine:
-        runner = engine.runner
         copies: list[int] = []
-        copy_own = runner.copy_own
-
-        def counted(src: int, dst: int, length: int) -> bytearray | None:
-            copies.append(length)
-            return copy_own(src, dst, length)
-
-        runner.copy_own = counted  # type: ignore[method-assign]
+        count_copies(engine.runner, copies.append)
         burst = _run(engine, prompts)
         turns, cached = _conversation(engine, 4)
         engine.check_integrity()

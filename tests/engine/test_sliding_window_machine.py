@@ -24,7 +24,7 @@ from ferrum.engine.kv.tiers import TierConfig
 from ferrum.engine.llama.runner import LlamaRunner
 from ferrum.engine.request import ImageSpan
 from ferrum.engine.speculation.speculator import SpecConfig
-from tests.factories import run_to_completion, sampling
+from tests.factories import count_copies, run_to_completion, sampling
 from tests.profiles import examples
 from tests.tiny_models import BOS_ID
 from tests.unit.test_engine_state_machine import EngineMachine
@@ -107,15 +107,12 @@ class SlidingWindowMachine(EngineMachine):
     def make_engine(self):
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path)
-        copy_own = runner.copy_own
-
-        def counted(src: int, dst: int, length: int) -> bytearray | None:
-            type(self).own_copies += 1
-            return copy_own(src, dst, length)
-
-        runner.copy_own = counted  # type: ignore[method-assign]
+        count_copies(runner, self.copied)
         engine = LLMEngine(runner, block_size=BLOCK, max_running=PARALLEL, tiers=_ram_tier())
         return runner, _restoring(engine)
+
+    def copied(self, length: int) -> None:
+        type(self).own_copies += 1
 
     def expected(self, prompt: list[int], n: int) -> list[int]:
         assert self.alone is not None
@@ -193,6 +190,7 @@ class SpeculatingSlidingWindowMachine(SlidingWindowMachine):
         assert self.alone is not None
         cfg = EngineConfig(ctx_size=CTX, parallel=PARALLEL, batch_size=BATCH, threads=2, **self.kv)
         runner = LlamaRunner(cfg, self.path)
+        count_copies(runner, self.copied)
         drafter = _WindowDrafter(self.alone, random.Random(0))
         spec = SpecConfig(draft_max=4, batch_max=8)
         engine = LLMEngine(
@@ -229,17 +227,6 @@ class WindowSizedCacheMachine(SpeculatingSlidingWindowMachine):
     drafts = 0
     checkpoint_hints = True  # as a chat's requests carry (`Request.checkpoints`)
 
-    def make_engine(self):
-        runner, engine = super().make_engine()
-        copy_own = runner.copy_own
-
-        def counted(src: int, dst: int, length: int) -> bytearray | None:
-            type(self).own_copies += 1
-            return copy_own(src, dst, length)
-
-        runner.copy_own = counted  # type: ignore[method-assign]
-        return runner, engine
-
     def teardown(self) -> None:
         checkpoints = self.engine.kv_manager.checkpoints
         assert checkpoints is not None
@@ -263,17 +250,6 @@ class StreamsMachine(SpeculatingSlidingWindowMachine):
     own_copies = 0
     drafts = 0
     settled = 0
-
-    def make_engine(self):
-        runner, engine = super().make_engine()
-        copy_own = runner.copy_own
-
-        def counted(src: int, dst: int, length: int) -> bytearray | None:
-            type(self).own_copies += 1
-            return copy_own(src, dst, length)
-
-        runner.copy_own = counted  # type: ignore[method-assign]
-        return runner, engine
 
     def teardown(self) -> None:
         assert self.runner._copies is not None

@@ -43,7 +43,15 @@ from ferrum.engine.outputs import RequestOutput
 from ferrum.engine.request import AdapterSet, ImageSpan, adapter_scope, image_token_ids
 from ferrum.engine.speculation.speculator import SpecConfig
 from ferrum.errors import TooManyRequests
-from tests.factories import BOS, FakeRunner, default_next_token, fake_engine, model_info, sampling
+from tests.factories import (
+    BOS,
+    FakeRunner,
+    count_copies,
+    default_next_token,
+    fake_engine,
+    model_info,
+    sampling,
+)
 from tests.profiles import examples
 
 ALPHABET = [ord(c) for c in "ab c"]  # few symbols: prompts collide and share prefixes often
@@ -586,14 +594,11 @@ class StreamsEngineMachine(TieredEngineMachine):
     def make_engine(self) -> tuple[FakeRunner, LLMEngine]:
         runner, engine = super().make_engine()
         assert engine.kv_manager.streams and engine.max_positions == 128
-        copy_own = runner.copy_own
-
-        def counted(src: int, dst: int, length: int) -> bytearray | None:
-            type(self).copies += 1
-            return copy_own(src, dst, length)
-
-        runner.copy_own = counted  # type: ignore[method-assign]
+        count_copies(runner, self.copied)
         return runner, engine
+
+    def copied(self, length: int) -> None:
+        type(self).copies += 1
 
     @invariant()
     def nothing_shared_no_table_beyond_a_stream(self) -> None:
