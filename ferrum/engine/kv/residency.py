@@ -233,10 +233,12 @@ class KVManager:
         self._copied(seq_id, donor, length)
 
     def _copied(self, seq_id: int, donor: Request | Parked, length: int) -> None:
-        """After a copy: a parked donor was used, and the copy holds its whole window."""
+        """After a copy: a parked donor was used, and the copy holds its whole window (with
+        streams it holds the donor's very cells below `length`, which the plan found whole
+        this step: counting them again would copy a whole stream into the probe)."""
         if isinstance(donor, Parked):
             self.parked.touch(donor)
-        if not self.ops.holds_window(seq_id, length):
+        if not self.streams and not self.ops.holds_window(seq_id, length):
             raise IntegrityError(f"a copy of {length} positions lacks its sliding window")
 
     def _copy_own(self, req: Request, seq_id: int, donor: Request | Parked, length: int) -> int:
