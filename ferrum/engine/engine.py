@@ -61,8 +61,7 @@ class LLMEngine:
         self.info = info
         # Largest number of positions a single request may occupy (prompt + output): the
         # context, or with a stream per sequence, a stream.
-        seq_cells = info.n_ctx_seq if info.kv_streams else info.n_ctx
-        blocks = BlockManager(info.n_ctx // block_size, block_size, seq_cells // block_size)
+        blocks = BlockManager(info.n_ctx // block_size, block_size, info.request_ctx // block_size)
         self.max_positions = blocks.seq_blocks * block_size
         # Recurrent state cannot be shared between sequences; only attention KV cells can.
         share = not (info.is_recurrent or info.is_hybrid)

@@ -125,6 +125,11 @@ class KVManager:
         if own_copies and self.saved is not None:
             self.checkpoints = Checkpoints(ops, self.saved, blocks.block_size)
 
+    @property
+    def private_copies(self) -> bool:
+        """A prefix copy takes cells of its own (`KvOps.copy_own`), never shared ones."""
+        return self.own_copies or self.streams
+
     # -- admission --------------------------------------------------------------------------
 
     def plan(self, req: Request) -> Reuse | None:
@@ -143,8 +148,7 @@ class KVManager:
             # Restored whole before it is cut back to the match: room for all of it first.
             need = max(blocks_for(req.num_tokens + 1, bs), blocks_for(reuse.saved.length, bs))
         else:
-            private = donor is None or self.own_copies or self.streams
-            shared = 0 if private else reuse.length // bs
+            shared = 0 if donor is None or self.private_copies else reuse.length // bs
             if reuse.takeover and donor is not None:
                 shared = len(donor.page_table.blocks)
             need = max(0, blocks_for(req.num_tokens + 1, bs) - shared)
@@ -182,7 +186,7 @@ class KVManager:
             seq_id = req.seq_id = self.seq_ids.acquire()
             if seq_id is None:
                 raise IntegrityError("admission made room but no sequence id is free")
-            if donor is not None and (self.own_copies or self.streams):
+            if donor is not None and self.private_copies:
                 reused = self._copy_own(req, seq_id, donor, reuse.length)
             elif donor is not None:
                 self._copy_from(req, seq_id, donor, reuse.length)

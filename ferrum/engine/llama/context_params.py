@@ -31,6 +31,9 @@ class Layout:
     streams: bool  # --kv-streams: a cell stream per sequence id
 
 
+NO_LAYOUT = Layout(0, windowed=False, spare=False, own_copies=False, streams=False)
+
+
 def context_params(model: Any, config: EngineConfig) -> tuple[Any, Layout]:
     try:  # refused here with the flag's name, not as a null context later
         check_kv_settings(config.cache_type_k, config.cache_type_v, config.flash_attn)

@@ -27,7 +27,8 @@ def describe(
     kv_bytes_per_cell: int, *, probe: bool, projector: Projector | None, own_copies: bool,
     streams: bool,
 ) -> ModelInfo:  # fmt: skip
-    """`probe`: one sequence id is the window probe's, not the engine's (`window.py`)."""
+    """`probe`: one sequence id is the runner's own (the window probe's, `window.py`, or
+    the one `streams.py` decodes into), not the engine's."""
     desc = ctypes.create_string_buffer(256)
     ll.llama_model_desc(model, desc, len(desc))
     template = ll.llama_model_chat_template(model, None)

@@ -30,7 +30,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.compute import compute
 from ferrum.engine.contracts import BatchItem, ModelInfo, StepResult
 from ferrum.engine.llama.adapters import LoraAdapters
-from ferrum.engine.llama.context_params import context_params
+from ferrum.engine.llama.context_params import NO_LAYOUT, context_params
 from ferrum.engine.llama.decode_parts import decode_parts
 from ferrum.engine.llama.describe import describe, model_meta
 from ferrum.engine.llama.sampler import Sampler
@@ -86,9 +86,7 @@ class LlamaRunner:
         self._ctx: Any = None
         self._batch: Any = None
         self._window: WindowProbe | None = None
-        self._own_copies = False  # prefix copies take cells of their own (`copy_own`)
-        self._streams = False  # a cell stream per sequence id (--kv-streams)
-        self._spare = False  # the context has one sequence id beyond the engine's
+        self._layout = NO_LAYOUT  # the context's sequence ids and KV layout
         self._copies: StreamCopies | None = None  # copies between streams (`streams.py`)
         self._samplers: dict[str, Sampler] = {}
         self._adapters: LoraAdapters | None = None
@@ -115,8 +113,8 @@ class LlamaRunner:
             log.warning("testing aid on: faking 'no KV slot' for %g of decodes", self._fault_rate)
         self._info = describe(
             self._model, self._ctx, self._vocab, model_path, config, kv_bytes_per_cell,
-            probe=self._spare, projector=self._projector,
-            own_copies=self._own_copies, streams=self._streams,
+            probe=self._layout.spare, projector=self._projector,
+            own_copies=self._layout.own_copies, streams=self._layout.streams,
         )  # fmt: skip
 
     @property
@@ -148,8 +146,7 @@ class LlamaRunner:
 
     def _init_context(self, config: EngineConfig) -> None:
         cparams, layout = context_params(self._model, config)
-        self._own_copies, self._streams = layout.own_copies, layout.streams
-        self._spare = layout.spare
+        self._layout = layout
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(
@@ -194,7 +191,7 @@ class LlamaRunner:
 
     def copy_sequence(self, src: int, dst: int, length: int) -> None:
         """dst shares src's cells for positions [0, length): metadata only on a unified KV."""
-        if self.info.is_recurrent or self.info.is_hybrid or self._streams:
+        if self.info.is_recurrent or self.info.is_hybrid or self._layout.streams:
             raise ValueError("cells are not shared between recurrent states or streams")
         ll.llama_memory_seq_cp(self._mem, src, dst, 0, length)
 
@@ -324,7 +321,7 @@ class LlamaRunner:
         n = 0
         # (item index, item, batch index of the last real token, request id)
         sample_at: list[tuple[int, BatchItem, int, str]] = []
-        if self._streams:
+        if self._layout.streams:
             # llama.cpp puts rows of several streams in one micro-batch only where their
             # sequence ids follow one another in batch order: else a decode costs a pass of
             # the weights per run of ids.

@@ -35,8 +35,7 @@ class StreamCopies:
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """dst holds src's first `length` positions (data from the next decode on)."""
-        ll.llama_memory_seq_rm(self._mem, dst, 0, -1)
-        ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # dst's cells replaced
         ll.llama_memory_seq_rm(self._mem, dst, length, -1)
         self._pending.update((src, dst))
 
