@@ -1,6 +1,7 @@
 """Chat templates: render messages with the model's Jinja template (sandboxed), then tokenize
 so that special tokens are parsed in the template's own text but never inside client strings
-(message content, reasoning, tool results).
+(message content, reasoning, tool results, and any string of a tool's definition or of a call
+in the history that would tokenize to a special token).
 
     rendered:  <bos><start_of_turn>user\\n  Hi <end_of_turn>  ...  <start_of_turn>model\\n
                ╰─── template: specials ──╯╰content╯╰──── template: specials ────────────╯
@@ -8,7 +9,10 @@ so that special tokens are parsed in the template's own text but never inside cl
 
 The client strings are located by rendering twice, the second time with a placeholder for
 each string: the placeholders mark exactly where each one landed, wherever the template put it
-(a tools section in the system turn can hold any word of the conversation).
+(a tools section in the system turn can hold any word of the conversation), as written or
+escaped inside JSON (`tojson`). Strings of tool definitions and calls are marked only where
+they would tokenize differently with specials parsed: the rest (`"type": "function"`) stay as
+they are, for templates that branch on them.
 
 A model without a template (the default Gemma 3 270M base model) gets its family's known
 format; `--chat-template` picks a built-in by name or reads a Jinja file. Templates receive
@@ -88,7 +92,7 @@ class ChatFormatter:
     def render(
         self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str:
-        return self._render(messages, tools, _same)
+        return self._render(messages, tools, _same, _same)
 
     def tokenize(
         self,
@@ -112,16 +116,23 @@ class ChatFormatter:
         starts: list[int] = []
         if self.add_bos and not (self.bos_text and rendered.startswith(self.bos_text)):
             tokens = tokenize("", True, False)  # just the BOS the model expects
-        for text, is_content in self._segments(messages, tools, rendered):
+        for text, is_content in self._segments(messages, tools, rendered, tokenize):
             if is_content:
                 starts.append(len(tokens))
             tokens += tokenize(text, False, not is_content)
         return tokens, starts
 
     def _render(
-        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, mark: Mark
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        mark: Mark,
+        mark_risky: Mark,
     ) -> str:
-        prepared = [_template_message(m, mark) for m in messages]
+        """`mark` stands for every client string; `mark_risky` for those in tool definitions
+        and calls (see the module's note)."""
+        tools = [_mark_tree(t, mark_risky) for t in tools] if tools else tools
+        prepared = [_template_message(m, mark, mark_risky) for m in messages]
         if not self._renders_tool_turns:
             prepared = _tool_turns_as_text(prepared, self.tool_format)
         if tools and not self._reads_tools:
@@ -144,10 +155,12 @@ class ChatFormatter:
         messages: Sequence[Mapping[str, Any]],
         tools: list[dict[str, Any]] | None,
         rendered: str,
+        tokenize: Tokenize,
     ) -> list[tuple[str, bool]]:
-        """Client strings (contents, reasoning, tool results) located in the rendered prompt:
-        exactly, by rendering again with a placeholder for each; by search when the template
-        treats placeholders differently from the strings (e.g. inspects the content)."""
+        """Client strings (contents, reasoning, tool results, risky tool strings) located in
+        the rendered prompt: exactly, by rendering again with a placeholder for each; by search
+        when the template treats placeholders differently from the strings (e.g. inspects the
+        content)."""
         strings: list[str] = []
 
         def mark(text: str) -> str:
@@ -156,8 +169,18 @@ class ChatFormatter:
             strings.append(text)
             return f"\ue000{len(strings) - 1}\ue001"
 
+        def specials(text: str) -> bool:
+            return bool(text) and tokenize(text, False, True) != tokenize(text, False, False)
+
+        def mark_risky(text: str) -> str:
+            return mark(text) if specials(text) else text
+
+        # One look at all the tool strings first: most requests hold no special token there,
+        # and then none is tokenized on its own.
+        calls = [m.get("tool_calls") for m in messages]
+        risky = specials("\n".join(_strings([tools, calls])))
         try:
-            layout = self._render(messages, tools, mark)
+            layout = self._render(messages, tools, mark, mark_risky if risky else _same)
         except InvalidRequest:
             layout = None
         exact = _align(rendered, layout, strings) if layout is not None else None
@@ -194,7 +217,7 @@ def _text(content: Any) -> str:
     )
 
 
-def _template_message(message: Mapping[str, Any], mark: Mark) -> dict[str, Any]:
+def _template_message(message: Mapping[str, Any], mark: Mark, mark_risky: Mark) -> dict[str, Any]:
     # Absent, not None: templates test `'tool_calls' in message` or `message.name is defined`.
     out = {k: v for k, v in message.items() if v is not None and v != []}
     out["content"] = mark(_text(message.get("content")))
@@ -202,11 +225,11 @@ def _template_message(message: Mapping[str, Any], mark: Mark) -> dict[str, Any]:
     if reasoning:
         out["reasoning_content"] = mark(reasoning)
     if message.get("tool_calls"):
-        out["tool_calls"] = [_template_call(c) for c in message["tool_calls"]]
+        out["tool_calls"] = [_template_call(c, mark_risky) for c in message["tool_calls"]]
     return out
 
 
-def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
+def _template_call(call: Mapping[str, Any], mark_risky: Mark) -> dict[str, Any]:
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
@@ -216,7 +239,38 @@ def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
             parsed = None
         if isinstance(parsed, dict):
             function["arguments"] = parsed
+    function = _mark_tree(function, mark_risky)
     return {**call, "type": call.get("type", "function"), "function": function}
+
+
+def _mark_tree(value: Any, mark: Mark) -> Any:
+    """`value` (a tool's definition, a call) with every string in it, keys included, passed
+    through `mark`."""
+    if isinstance(value, str):
+        return mark(value)
+    if isinstance(value, Mapping):
+        return {_mark_tree(k, mark): _mark_tree(v, mark) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark_tree(v, mark) for v in value]
+    return value
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in `value`, keys included."""
+    found: list[str] = []
+
+    def keep(text: str) -> str:
+        found.append(text)
+        return text
+
+    _mark_tree(value, keep)
+    return found
+
+
+def _forms(s: str) -> tuple[str, ...]:
+    """How a template may have written client string `s`: as is, trimmed, or escaped inside a
+    JSON string (`tojson`)."""
+    return (s, s.strip(), s.lstrip(), s.rstrip(), json.dumps(s, ensure_ascii=False)[1:-1])
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -270,7 +324,7 @@ def _align(rendered: str, layout: str, strings: list[str]) -> list[tuple[str, bo
             return None
         pos += len(literal)
         s = strings[index]
-        for variant in (s, s.strip(), s.lstrip(), s.rstrip()):
+        for variant in _forms(s):
             if rendered.startswith(variant, pos) and rendered.startswith(after, pos + len(variant)):
                 break
         else:
@@ -286,20 +340,23 @@ def _align(rendered: str, layout: str, strings: list[str]) -> list[tuple[str, bo
 def split_content(rendered: str, contents: Sequence[str]) -> list[tuple[str, bool]]:
     """Splits the rendered prompt into (text, is_user_content) segments, in order.
 
-    Each message's content is looked up after the previous one; templates may trim it, so
-    the trimmed form is looked for. Content the template rewrote beyond that is not found and
-    stays template text (tokenized with specials parsed): only custom templates that rewrite
-    content do that, and the built-in ones never do.
+    Each message's content is looked up after the previous one; templates may trim it or
+    write it inside JSON, so the trimmed form, as is or escaped, is looked for. Content the
+    template rewrote beyond that is not found and stays template text (tokenized with
+    specials parsed): only custom templates that rewrite content do that, and the built-in
+    ones never do.
     """
     segments: list[tuple[str, bool]] = []
     cursor = 0
     for content in contents:
-        needle = content.strip()
-        if not needle:
+        trimmed = content.strip()
+        if not trimmed:
             continue
-        at = rendered.find(needle, cursor)
-        if at < 0:
+        forms = (trimmed, json.dumps(trimmed, ensure_ascii=False)[1:-1])
+        found = [(at, form) for form in forms if (at := rendered.find(form, cursor)) >= 0]
+        if not found:
             continue
+        at, needle = min(found)
         if at > cursor:
             segments.append((rendered[cursor:at], False))
         segments.append((needle, True))
