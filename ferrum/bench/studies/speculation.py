@@ -5,9 +5,10 @@ Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct, or `--model`) and 
 arm's words after its first say how it runs:
 - `ferrum ngram` (the default, --spec-type ngram), `ferrum ngram own` (`--spec-recent 0`:
   guesses from a request's own tokens only, not from earlier requests'), `ferrum none`
-  (`--spec-type none`); a trailing `alt` (`ferrum none alt`) runs it on the interpreter
-  `--set alt-python=PATH` names (e.g. a venv with another llama.cpp build). A `--tree` arm
-  reads its name the same way (`--tree "before none=/tmp/wt"`: the tree without speculation).
+  (`--spec-type none`), `ferrum ngram draft16` (`--spec-draft-max 16`); a trailing `alt`
+  (`ferrum none alt`) runs it on the interpreter `--set alt-python=PATH` names (e.g. a venv
+  with another llama.cpp build). A `--tree` arm reads its name the same way (`--tree
+  "before none=/tmp/wt"`: the tree without speculation).
 - `llama-server none|ngram-simple|ngram-mod` (their default sizes), built with ferrum's kernel
   flags, and `llama-server default none|ngram-simple|ngram-mod`, built as its users build it
   (cmake defaults, FLAVOR=default bench/build_llama_server.sh; by name only); `-np 8 -c 8192`.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,9 +92,11 @@ def prompt(workload: str, i: int) -> str:
 
 
 def ferrum_flags(arm: str) -> list[str]:
-    """ferrum's speculation flags for an arm's name (`ferrum none`, `before ngram own` ...)."""
+    """ferrum's speculation flags for an arm's name (`ferrum none`, `before ngram own`,
+    `ferrum ngram draft16` ...)."""
     words = arm.split()[1:]
     flags = ["--spec-type", "none"] if "none" in words else []
+    flags += [f for w in words if re.fullmatch(r"draft\d+", w) for f in ("--spec-draft-max", w[5:])]
     return flags + (["--spec-recent", "0"] if "own" in words else [])
 
 
