@@ -34,7 +34,8 @@ def test_speculation_arm_names_give_the_servers_flags():
     assert speculation.ferrum_flags("ferrum ngram") == []
     assert speculation.ferrum_flags("ferrum none alt") == ["--spec-type", "none"]
     assert speculation.ferrum_flags("ferrum ngram own") == ["--spec-recent", "0"]
-    assert speculation.ferrum_flags("ferrum ngram draft16") == ["--spec-draft-max", "16"]
+    assert speculation.ferrum_flags("ferrum ngram draft16 batch32") == [
+        "--spec-draft-max", "16", "--spec-batch-max", "32"]  # fmt: skip
     assert speculation.ferrum_flags("before none") == ["--spec-type", "none"]  # a --tree arm
     assert speculation.llama_server_mode("llama-server none") == ("same", [])
     assert speculation.llama_server_mode("llama-server default ngram-mod") == (

@@ -5,10 +5,10 @@ Arms, one server at a time, same GGUF (SmolLM2-135M-Instruct, or `--model`) and 
 arm's words after its first say how it runs:
 - `ferrum ngram` (the default, --spec-type ngram), `ferrum ngram own` (`--spec-recent 0`:
   guesses from a request's own tokens only, not from earlier requests'), `ferrum none`
-  (`--spec-type none`), `ferrum ngram draft16` (`--spec-draft-max 16`); a trailing `alt`
-  (`ferrum none alt`) runs it on the interpreter `--set alt-python=PATH` names (e.g. a venv
-  with another llama.cpp build). A `--tree` arm reads its name the same way (`--tree
-  "before none=/tmp/wt"`: the tree without speculation).
+  (`--spec-type none`), `ferrum ngram draft16 batch32` (`--spec-draft-max 16 --spec-batch-max
+  32`); a trailing `alt` (`ferrum none alt`) runs it on the interpreter `--set
+  alt-python=PATH` names (e.g. a venv with another llama.cpp build). A `--tree` arm reads its
+  name the same way (`--tree "before none=/tmp/wt"`: the tree without speculation).
 - `llama-server none|ngram-simple|ngram-mod` (their default sizes), built with ferrum's kernel
   flags, and `llama-server default none|ngram-simple|ngram-mod`, built as its users build it
   (cmake defaults, FLAVOR=default bench/build_llama_server.sh; by name only); `-np 8 -c 8192`.
@@ -96,7 +96,8 @@ def ferrum_flags(arm: str) -> list[str]:
     `ferrum ngram draft16` ...)."""
     words = arm.split()[1:]
     flags = ["--spec-type", "none"] if "none" in words else []
-    flags += [f for w in words if re.fullmatch(r"draft\d+", w) for f in ("--spec-draft-max", w[5:])]
+    for word, flag in (("draft", "--spec-draft-max"), ("batch", "--spec-batch-max")):
+        flags += [f for w in words if re.fullmatch(word + r"\d+", w) for f in (flag, w[5:])]
     return flags + (["--spec-recent", "0"] if "own" in words else [])
 
 
