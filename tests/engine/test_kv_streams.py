@@ -5,6 +5,8 @@ along whole; tiny Mamba, whose state is never copied)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from ferrum.engine.engine import InvalidRequest
@@ -44,9 +46,11 @@ def test_streams_reuse_equals_a_fresh_prefill(any_model):
         assert all(c > 0 for c in cached[1:])
 
 
-def test_a_request_holds_at_most_a_stream(tiny_llama):
+def test_a_request_holds_at_most_a_stream(tiny_llama, caplog):
+    caplog.set_level(logging.INFO, logger="ferrum.llama")
     with llama_engine(tiny_llama, ctx=1024, parallel=4, kv_streams=True) as engine:
         assert engine.info.kv_streams and engine.max_positions == 256
+        assert "one request holds at most 256 positions" in caplog.text  # said at start
         assert engine.info.request_ctx == 256  # the context length the APIs report
         assert engine.clamp_max_tokens(200, 1000) == 56
         with pytest.raises(InvalidRequest):

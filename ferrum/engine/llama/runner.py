@@ -153,6 +153,11 @@ class LlamaRunner:
                 "llama.cpp could not create a context (out of memory, or KV cache settings it "
                 "refuses for this model: see its log above)"
             )
+        if layout.streams:
+            log.info(
+                "--kv-streams: one request holds at most %d positions",
+                ll.llama_n_ctx_seq(self._ctx),
+            )
         self._n_batch: int = ll.llama_n_batch(self._ctx)
         self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
         self._mem = ll.llama_get_memory(self._ctx)
