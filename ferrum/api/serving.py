@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
     text_bytes = sum(utf8_length(m.text()) for m in body.messages)
     refuse_unfit_text(model.vocab, text_bytes, model.info.request_ctx, "messages")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if template_tools := tools.template_tools():  # the prompt holds them too, as JSON or text
+        text_bytes += utf8_length(json.dumps(template_tools, ensure_ascii=False))
+        refuse_unfit_text(model.vocab, text_bytes, model.info.request_ctx, "tools")
     spans: tuple[ImageSpan, ...] = ()
     marks: tuple[int, ...] = ()
     if parts := image_parts(body.messages):

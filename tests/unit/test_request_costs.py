@@ -62,6 +62,18 @@ def test_a_chat_too_long_to_fit_is_refused_before_tokenizing(tokenized):
     assert max(tokenized, default=0) < N_CTX
 
 
+def test_tools_too_long_to_fit_are_refused_before_tokenizing(tokenized):
+    """The prompt holds the tools (as the template writes them, or as instructions), so their
+    bytes count too; with tool_choice none they are not in it and cost nothing."""
+    tool = {"type": "function", "function": {"name": "f", "description": BIG}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 1}
+    with TestClient(fake_app()) as c:
+        _refused(c.post("/v1/chat/completions", json=body), "tools")
+        assert max(tokenized, default=0) < N_CTX
+        r = c.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+
+
 def test_tokenize_refuses_text_no_context_of_the_model_holds(tokenized):
     with TestClient(fake_app()) as c:
         _refused(c.post("/tokenize", json={"content": BIG}), "content")
