@@ -105,3 +105,11 @@ class EmbeddingModel:
 
 
 Loaded = ServedModel | EmbeddingModel
+
+
+def context_length(model: Loaded) -> int:
+    """The context one request may fill, as every API reports it: a chat model's per request
+    (a stream with --kv-streams), an embedding model's longest input."""
+    if isinstance(model, ServedModel):
+        return model.info.request_ctx
+    return model.embedder.info.max_tokens

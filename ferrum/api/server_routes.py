@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ferrum.api.auth import caller_of
-from ferrum.api.loaded import Loaded, ServedModel
+from ferrum.api.loaded import Loaded, ServedModel, context_length
 from ferrum.api.openai.bodies import DetokenizeRequest, TokenizeRequest
 from ferrum.api.openai.routes import route
 from ferrum.api.serving import ServerState, acquire, check_token_ids, refuse_unfit_text, utf8_length
@@ -49,7 +49,8 @@ def add_server_routes(app: FastAPI, state: ServerState) -> None:
         lease = await acquire(state, request, body.model)
         try:
             model = lease.model
-            refuse_unfit_text(model.vocab, utf8_length(body.content), _n_ctx(model), "content")
+            n_ctx = context_length(model)
+            refuse_unfit_text(model.vocab, utf8_length(body.content), n_ctx, "content")
             tokens = await asyncio.to_thread(
                 lease.model.vocab.tokenize, body.content, body.add_special, body.parse_special
             )
@@ -62,10 +63,11 @@ def add_server_routes(app: FastAPI, state: ServerState) -> None:
         lease = await acquire(state, request, body.model)
         try:
             model = lease.model
-            if len(body.tokens) > _n_ctx(model):
+            n_ctx = context_length(model)
+            if len(body.tokens) > n_ctx:
                 # No sequence of this model is longer; joining millions of ids takes seconds.
                 raise ContextLengthExceeded(
-                    f"{len(body.tokens)} tokens; this model's context holds {_n_ctx(model)}",
+                    f"{len(body.tokens)} tokens; this model's context holds {n_ctx}",
                     param="tokens",
                 )
             tokens = check_token_ids(_n_vocab(model), body.tokens, "tokens")
@@ -95,8 +97,3 @@ def _sum_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
 def _n_vocab(model: Loaded) -> int:
     return model.info.n_vocab if isinstance(model, ServedModel) else model.embedder.info.n_vocab
 
-
-def _n_ctx(model: Loaded) -> int:
-    if isinstance(model, ServedModel):
-        return model.info.request_ctx
-    return model.embedder.info.max_tokens

@@ -104,7 +104,7 @@ def prepare_chat(model: ServedModel, body: ChatCompletionRequest, scope: str) ->
     else:
         messages = chat_messages(model.system, body)
         prompt, starts = model.formatter.tokenize_parts(
-            messages, model.vocab.tokenize, tools.template_tools()
+            messages, model.vocab.tokenize, template_tools
         )
         marks = parting_points(starts)
     fmt = model.formatter.tool_format

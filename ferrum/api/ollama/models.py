@@ -33,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ferrum.api.auth import require_admin
-from ferrum.api.loaded import Loaded, ServedModel
+from ferrum.api.loaded import ServedModel, context_length
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
 from ferrum.api.serving import ServerState, unless_gone
@@ -214,7 +214,7 @@ def add_model_routes(route: Route, state: ServerState) -> None:
                 "size": m.size or f.size,
                 "size_vram": 0,
                 "expires_at": rfc3339(min(m.expires_at or forever, forever)),
-                "context_length": _context(m.model),
+                "context_length": context_length(m.model),
             }
             | ({"kv_cache": _kv_cache(m.model)} if isinstance(m.model, ServedModel) else {})
             for m, f in zip(loaded, facts, strict=True)
@@ -410,8 +410,3 @@ def _kv_cache(model: ServedModel) -> dict[str, Any]:
         "bytes": info.kv_bytes_per_cell * info.n_ctx,
     }
 
-
-def _context(model: Loaded) -> int:
-    if isinstance(model, ServedModel):
-        return model.info.request_ctx
-    return model.embedder.info.max_tokens

@@ -267,10 +267,15 @@ def _strings(value: Any) -> list[str]:
     return found
 
 
+def _in_json(s: str) -> str:
+    """`s` as `tojson` writes it inside a JSON string."""
+    return json.dumps(s, ensure_ascii=False)[1:-1]
+
+
 def _forms(s: str) -> tuple[str, ...]:
     """How a template may have written client string `s`: as is, trimmed, or escaped inside a
-    JSON string (`tojson`)."""
-    return (s, s.strip(), s.lstrip(), s.rstrip(), json.dumps(s, ensure_ascii=False)[1:-1])
+    JSON string."""
+    return (s, s.strip(), s.lstrip(), s.rstrip(), _in_json(s))
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -352,7 +357,7 @@ def split_content(rendered: str, contents: Sequence[str]) -> list[tuple[str, boo
         trimmed = content.strip()
         if not trimmed:
             continue
-        forms = (trimmed, json.dumps(trimmed, ensure_ascii=False)[1:-1])
+        forms = (trimmed, _in_json(trimmed))
         found = [(at, form) for form in forms if (at := rendered.find(form, cursor)) >= 0]
         if not found:
             continue

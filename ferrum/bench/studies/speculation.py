@@ -96,8 +96,9 @@ def ferrum_flags(arm: str) -> list[str]:
     `ferrum ngram draft16` ...)."""
     words = arm.split()[1:]
     flags = ["--spec-type", "none"] if "none" in words else []
-    for word, flag in (("draft", "--spec-draft-max"), ("batch", "--spec-batch-max")):
-        flags += [f for w in words if re.fullmatch(word + r"\d+", w) for f in (flag, w[5:])]
+    for word in words:
+        if cap := re.fullmatch(r"(draft|batch)(\d+)", word):
+            flags += [f"--spec-{cap[1]}-max", cap[2]]
     return flags + (["--spec-recent", "0"] if "own" in words else [])
 
 
