@@ -3,13 +3,13 @@
 A request holds a lease on its model (`ferrum.models.registry`) from before its preparation
 until its answer is sent, so the model cannot unload under it. Every way a request can end
 early frees its engine requests and its lease: a client that hangs up (stream or not) and a
-deadline that passes both abort them within one engine step. Each API dialect (its package:
-`openai/`, `responses/`, `ollama/`, `anthropic/`) translates into `prepare_*` and `submit`.
+deadline that passes both abort them within one engine step (`hangups.py`). Each API
+dialect (its package: `openai/`, `responses/`, `ollama/`, `anthropic/`) translates into
+`prepare_*` and `submit`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from ferrum.api.auth import Caller, Keys, cache_scope, caller_of
+from ferrum.api.hangups import HeldStream, guard_stream, unless_gone
 from ferrum.api.loaded import Loaded, ServedModel
 from ferrum.api.openai.answers import CompletionKind
 from ferrum.api.openai.bodies import ChatCompletionRequest, CompletionRequest
-from ferrum.api.openai.dialect import OPENAI
 from ferrum.api.prompting.chat_prompt import chat_messages, chat_prompt, parting_points
 from ferrum.api.prompting.images import image_parts, prompt_with_images
 from ferrum.api.prompting.preparation import light_body
@@ -33,7 +32,7 @@ from ferrum.api.prompting.tool_request import ToolRequest
 from ferrum.engine.async_engine import AsyncEngine, RequestStream
 from ferrum.engine.contracts import Vocabulary
 from ferrum.engine.request import AdapterSet, ImageSpan, SamplingParams
-from ferrum.errors import ClientGone, ContextLengthExceeded, InvalidRequest, RequestTimeout
+from ferrum.errors import ContextLengthExceeded, InvalidRequest, RequestTimeout
 from ferrum.models.adapters import LoraAdapter, adapter_set, files_scope
 from ferrum.models.pull_workers import PullWorkers
 from ferrum.models.registry import Lease, Registry
@@ -41,10 +40,8 @@ from ferrum.models.store import ModelStore
 from ferrum.models.units import parse_duration
 from ferrum.server_metrics import ServerMetrics
 
-T = TypeVar("T")
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 PrepareFn = Callable[[ServedModel, B, str], "Prepared"]  # (model, body, its cache scope)
-_DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
@@ -306,21 +303,6 @@ def deadline(state: ServerState, body: ChatCompletionRequest | CompletionRequest
     return min(limits) if limits else None
 
 
-class HeldStream(StreamingResponse):
-    """A streamed response that runs `on_close` however it ends: sent, cut by a hang-up or
-    never started. (A generator's `finally` runs only if the generator was started.)"""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any):
-        super().__init__(content, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 class Reply(Protocol):
     """How one request's submission is answered in a dialect: its n streams read as the
     dialect's answer, whole or streamed (`serve_request`)."""
@@ -380,63 +362,6 @@ async def serve_request(
     finally:
         sub.abort_all()
         lease.release()
-
-
-async def guard_stream(
-    events: AsyncIterator[str],
-    deadline: float | None,
-    abort_all: Callable[[], None],
-    on_timeout: Callable[[RequestTimeout], list[str]] | None = None,
-) -> AsyncIterator[str]:
-    """The stream, cut at the deadline with what `on_timeout` makes of the timeout error (by
-    default SSE's: an error event and [DONE]); aborts on any exit. Each dialect streams
-    through it with its own ending (Ollama's: an `{"error"}` line).
-
-    The deadline covers only the waits for the engine, never a `yield`: while the generator is
-    suspended there, Starlette is sending, and a timeout firing then would cancel the send and
-    end the stream without its ending (the error event and [DONE]). Starlette cancels this
-    generator when the client disconnects, which lands in `finally`.
-    """
-    loop = asyncio.get_running_loop()
-    end = None if deadline is None else loop.time() + deadline
-    try:
-        while True:
-            try:
-                if end is not None and loop.time() >= end:
-                    raise TimeoutError
-                async with asyncio.timeout_at(end):
-                    event = await anext(events)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                err = RequestTimeout(f"the request took longer than {deadline:g} s")
-                done = [OPENAI.stream_error(err), "data: [DONE]\n\n"]
-                ending = on_timeout(err) if on_timeout else done
-                for line in ending:
-                    yield line
-                return
-            yield event
-    finally:
-        abort_all()
-
-
-async def unless_gone(http: Request, work: Awaitable[T], deadline: float | None) -> T:
-    """Awaits `work`, cancelling it if the client hangs up or the deadline passes."""
-    task = asyncio.ensure_future(work)
-    loop = asyncio.get_running_loop()
-    end = None if deadline is None else loop.time() + deadline
-    try:
-        while True:
-            wait = _DISCONNECT_POLL_S if end is None else min(_DISCONNECT_POLL_S, end - loop.time())
-            done, _ = await asyncio.wait({task}, timeout=max(wait, 0))
-            if done:
-                return task.result()
-            if end is not None and loop.time() >= end:
-                raise RequestTimeout(f"the request took longer than {deadline:g} s")
-            if await http.is_disconnected():
-                raise ClientGone("the client closed the connection")
-    finally:
-        task.cancel()
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

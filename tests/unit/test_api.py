@@ -305,7 +305,7 @@ def test_metrics_can_be_public_while_the_api_needs_a_key():
 def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
     """The deadline passes while the client is still being sent an event: the stream must
     still close with the timeout error and [DONE], not be cut off mid-send."""
-    from ferrum.api.serving import guard_stream
+    from ferrum.api.hangups import guard_stream
 
     aborted = []
 
@@ -330,7 +330,7 @@ def test_a_deadline_during_a_slow_send_still_ends_with_an_error_and_done():
 def test_a_client_gone_from_a_whole_response_is_a_typed_error_not_a_cancellation():
     """A non-streamed request whose client hangs up ends through the error path (one log
     line), not a CancelledError that Starlette logs as a crash with a traceback."""
-    from ferrum.api.serving import unless_gone
+    from ferrum.api.hangups import unless_gone
     from ferrum.errors import ClientGone
 
     class _Gone:

@@ -13,7 +13,7 @@ Rules:
   to the first output, eval_duration from there to the last. prompt_eval_count counts the
   whole prompt, cached tokens included; eval_count the tokens generated.
 - A stream that has begun reports a failure or its deadline as a last `{"error"}` line
-  (`serving.guard_stream` keeps the deadline); the model's lease is released when the answer
+  (`hangups.guard_stream` keeps the deadline); the model's lease is released when the answer
   is sent or the request fails, however that happens.
 """
 

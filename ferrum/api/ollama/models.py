@@ -33,10 +33,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ferrum.api.auth import require_admin
+from ferrum.api.hangups import unless_gone
 from ferrum.api.loaded import ServedModel, context_length
 from ferrum.api.ollama.answers import NDJSON, ndjson_line, rfc3339
 from ferrum.api.ollama.bodies import CopyBody, ModelRef, PullBody, parse
-from ferrum.api.serving import ServerState, unless_gone
+from ferrum.api.serving import ServerState
 from ferrum.engine.contracts import ModelInfo
 from ferrum.errors import FerrumError, InvalidRequest
 from ferrum.models.adapters import adapter_names

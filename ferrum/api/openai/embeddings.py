@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field
 
+from ferrum.api.hangups import unless_gone
 from ferrum.api.loaded import Embedder, EmbeddingModel, Loaded
 from ferrum.api.openai.bodies import _Body
 from ferrum.api.serving import (
@@ -34,7 +35,6 @@ from ferrum.api.serving import (
     acquire,
     check_token_ids,
     refuse_unfit_text,
-    unless_gone,
     utf8_length,
 )
 from ferrum.engine.contracts import Vocabulary

@@ -72,6 +72,7 @@ With tiers (`tiers/`), an evicted sequence's state is saved first, and a fourth 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 
@@ -395,28 +396,10 @@ class KVManager:
         return self.restore_cut is None
 
     def _save(self, parked: Parked) -> None:
-        """Keeps parked's state in the tiers, unless a saved state already holds its tokens
-        (or more, where a prefix may be restored); saved states it extends are dropped."""
-        saved = self.saved
-        scope = parked.cache_scope
-        if saved is None or saved.get(parked.all_token_ids, scope) is not None:
-            return
-        tokens = parked.all_token_ids
-        shorter = []
-        for match in self.index.matches(tokens, scope):
-            owner = match.owner
-            if isinstance(owner, Saved) and match.length == len(tokens) and self.any_prefix:
-                saved.touch(owner)
-                return  # a longer saved state holds these tokens
-            if isinstance(owner, Saved) and match.length == owner.length < len(tokens):
-                shorter.append(owner)
-        state = self.ops.save_sequence(parked.seq_id)
-        if state is None:
-            return
-        saved.save(tokens, scope, state)
-        if self.any_prefix:
-            for owner in shorter:
-                saved.drop(owner)
+        """Keeps parked's state in the tiers (`SavedStates.keep`)."""
+        if self.saved is not None:
+            state_of = functools.partial(self.ops.save_sequence, parked.seq_id)
+            self.saved.keep(parked.all_token_ids, parked.cache_scope, state_of, self.any_prefix)
 
     # -- checks -----------------------------------------------------------------------------
 

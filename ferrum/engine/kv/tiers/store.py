@@ -85,6 +85,34 @@ class SavedStates:
         self._fit()
         return entry
 
+    def keep(
+        self,
+        tokens: list[int],
+        scope: str,
+        state_of: Callable[[], bytearray | None],
+        any_prefix: bool,
+    ) -> None:
+        """Keeps a finished sequence's state (read by `state_of` only if it is kept), unless
+        a saved state already holds its tokens, or more where `any_prefix` of one can be
+        restored; then the saved states it extends are dropped."""
+        if self.get(tokens, scope) is not None:
+            return
+        shorter = []
+        for match in self.index.matches(tokens, scope):
+            owner = match.owner
+            if isinstance(owner, Saved) and match.length == len(tokens) and any_prefix:
+                self.touch(owner)
+                return  # a longer saved state holds these tokens
+            if isinstance(owner, Saved) and match.length == owner.length < len(tokens):
+                shorter.append(owner)
+        state = state_of()
+        if state is None:
+            return
+        self.save(tokens, scope, state)
+        if any_prefix:
+            for owner in shorter:
+                self.drop(owner)
+
     @property
     def _write_backlog(self) -> int:
         return max(self.config.ram_bytes, 256 << 20)
